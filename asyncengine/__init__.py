@@ -1,0 +1,19 @@
+"""asyncengine: a paged-KV LLM inference engine with continuous batching."""
+
+from asyncengine.config import EngineArgs, EngineConfig
+from asyncengine.engine.llm import LLM
+from asyncengine.engine.llm_engine import EngineStats, LLMEngine
+from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineConfig",
+    "EngineStats",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
+__version__ = "0.1.0"

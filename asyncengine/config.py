@@ -1,0 +1,231 @@
+"""User-facing `EngineArgs` and the validated, frozen `EngineConfig` derived from them once."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cuda", "cpu")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1024
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model: where it lives, its Hugging Face config, and how it runs."""
+
+    model: str  # resolved local directory
+    tokenizer: str
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    max_model_len: int
+    seed: int
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["?"])[0]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block geometry and how many blocks to make."""
+
+    block_size: int
+    gpu_memory_utilization: float
+    swap_space_bytes: int
+    num_gpu_blocks_override: int | None
+    num_cpu_blocks_override: int | None
+    enable_prefix_caching: bool
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching budgets and the preemption policy."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    preemption_mode: Literal["auto", "swap", "recompute"]
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model and the KV cache live and which attention path reads the cache."""
+
+    device: Literal["cuda", "cpu"]
+    attention_backend: Literal["torch", "triton"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, derived once from `EngineArgs` and never mutated."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig
+
+
+@dataclass
+class EngineArgs:
+    """The engine's knobs as users pass them (vLLM's names). See `create_engine_config`."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB of CPU swap blocks
+    num_gpu_blocks_override: int | None = None
+    num_cpu_blocks_override: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    preemption_mode: str = "auto"
+    enable_prefix_caching: bool = False
+    attention_backend: str = "auto"
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def _validate(self) -> None:
+        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("device", self.device, DEVICES)
+        _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        bs = self.block_size
+        _require(
+            isinstance(bs, int) and MIN_BLOCK_SIZE <= bs <= MAX_BLOCK_SIZE and bs & (bs - 1) == 0,
+            "block_size",
+            f"a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}]",
+            bs,
+        )
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            "in (0, 1]",
+            self.gpu_memory_utilization,
+        )
+        _require(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
+        _require(self.seed >= 0, "seed", ">= 0", self.seed)
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, ">= 1 or None", value)
+        _require(
+            self.num_cpu_blocks_override is None or self.num_cpu_blocks_override >= 0,
+            "num_cpu_blocks_override",
+            ">= 0 or None",
+            self.num_cpu_blocks_override,
+        )
+
+        if self.max_num_batched_tokens is not None:
+            _require(
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                "max_num_batched_tokens",
+                f">= max_num_seqs ({self.max_num_seqs}) so every running request gets a token",
+                self.max_num_batched_tokens,
+            )
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate every field and derive the frozen config (loads the model's config.json)."""
+        self._validate()
+        from asyncengine.models.loader import load_hf_config, resolve_model_path
+
+        model_path = resolve_model_path(self.model)
+        hf_config = load_hf_config(model_path)
+        max_model_len = _derive_max_model_len(hf_config, self.max_model_len)
+        device = _resolve_device(self.device)
+        model_config = ModelConfig(
+            model=model_path,
+            tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else model_path,
+            hf_config=hf_config,
+            dtype=_resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len,
+            seed=self.seed,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            swap_space_bytes=int(self.swap_space * GiB),
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            num_cpu_blocks_override=self.num_cpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching,
+            sliding_window=getattr(hf_config, "sliding_window", None) or None,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            # chunked prefill is always on, so any budget works; 2048 keeps decodes flowing
+            max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+            max_model_len=max_model_len,
+            preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+        )
+        backend = self.attention_backend
+        if backend == "triton":
+            # the Triton kernels are their own piece of work; say so rather than fall back
+            raise ValueError(
+                "EngineArgs.attention_backend 'triton' is not available yet; use 'torch' or 'auto'"
+            )
+        if backend == "auto":
+            backend = "torch"
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            device_config=DeviceConfig(device=device, attention_backend=backend),  # type: ignore[arg-type]
+        )
+
+
+def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if requested is None:
+        if limit is None:
+            raise ValueError(
+                "EngineArgs.max_model_len must be given: the model config has no "
+                "max_position_embeddings"
+            )
+        return int(limit)
+    if limit is not None and requested > limit:
+        raise ValueError(
+            f"EngineArgs.max_model_len must be <= the model's max_position_embeddings ({limit}), "
+            f"got {requested}"
+        )
+    return requested
+
+
+def _resolve_device(device: str) -> Literal["cuda", "cpu"]:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("EngineArgs.device is 'cuda' but no CUDA device is available")
+    return device  # type: ignore[return-value]
+
+
+def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    # CPUs run half precision slowly and imprecisely; keep float32 there.
+    if device == "cpu":
+        return "float32"
+    config_dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", ""))
+    config_dtype = config_dtype.removeprefix("torch.")
+    return config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
+
+
+def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    _require(value in allowed, name, "one of " + ", ".join(repr(a) for a in allowed), value)
+
+
+def _require(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"EngineArgs.{name} must be {rule}, got {value!r}")

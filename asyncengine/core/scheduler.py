@@ -1,0 +1,275 @@
+"""Continuous batching over waiting, running and swapped queues with swap/recompute preemption."""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from asyncengine.config import SchedulerConfig
+from asyncengine.core.block_manager import AllocStatus, BlockSpaceManager
+from asyncengine.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step: who runs, how many tokens each, and the block moves to apply first.
+
+    `scheduled` is in batch order; the worker computes tokens
+    `[req.num_computed_tokens, req.num_computed_tokens + num_scheduled_tokens[id])` of each.
+    """
+
+    scheduled: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
+    preempted: list[Request] = field(default_factory=list)
+    rejected: list[Request] = field(default_factory=list)  # finished: can never fit
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out
+
+    def add(self, req: Request, num_tokens: int, block_table: list[int]) -> None:
+        self.scheduled.append(req)
+        self.num_scheduled_tokens[req.request_id] = num_tokens
+        self.block_tables[req.request_id] = block_table
+
+
+class _Queue(list[Request]):
+    """Requests kept in priority order: lower priority value first, then earlier arrival."""
+
+    def insert_sorted(self, req: Request) -> None:
+        bisect.insort(self, req, key=lambda r: r.sort_key)
+
+
+class Scheduler:
+    """Decides each step which requests run and for how many tokens (chunked prefill included).
+
+    Order of a step: running requests first (preempting the newest, lowest-priority one when a
+    request cannot grow), then swapped requests back in, then new requests; nothing new is
+    admitted in a step that preempted.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockSpaceManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting = _Queue()
+        self.running = _Queue()
+        self.swapped = _Queue()
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions: Counter[str] = Counter()  # by mode: "swap" | "recompute"
+
+    # -- requests in and out -----------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id!r}"
+        self.requests[req.request_id] = req
+        self.waiting.insert_sorted(req)
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """End `req` with a finished `status` wherever it is and free its blocks."""
+        assert status.is_finished
+        if req.is_finished:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
+        req.status = status
+        self.block_manager.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort in any state; unknown or finished ids are a no-op (returns None)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_swapped(out, budget)
+        # swapped requests are older than any new one: let them back in first
+        if not out.preempted and not self.swapped:
+            self._schedule_waiting(out, budget)
+        now = time.monotonic()
+        for req in out.scheduled:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
+        queue = list(self.running)
+        while queue and budget.has_room:
+            req = queue.pop(0)
+            while not self.block_manager.can_append_slot(req, req.num_computed_tokens):
+                victim = queue.pop() if queue else req
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                # leave one token per later running request so decodes never stall behind a
+                # long chunked prefill
+                num_tokens = budget.take(req, reserve=len(queue))
+                if num_tokens == 0:
+                    continue
+                out.blocks_to_copy += self.block_manager.append_slot(req, req.num_computed_tokens)
+                out.add(req, num_tokens, self.block_manager.get_block_table(req))
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.swapped and self._has_room(budget):
+            req = self.swapped[0]
+            if self.block_manager.can_swap_in(req) is not AllocStatus.OK:
+                if self.running:
+                    break
+                # nothing runs that could ever free blocks: recompute so we make progress
+                self.swapped.pop(0)
+                self._recompute(req)
+                continue
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += self.block_manager.swap_in(req)
+            out.blocks_to_copy += self.block_manager.append_slot(req, req.num_computed_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.insert_sorted(req)
+            num_tokens = budget.take(req, reserve=0)
+            out.add(req, num_tokens, self.block_manager.get_block_table(req))
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
+        while self.waiting and self._has_room(budget):
+            req = self.waiting[0]
+            status = self._can_admit(req)
+            if status is AllocStatus.LATER:
+                break
+            self.waiting.pop(0)
+            if status is AllocStatus.NEVER:
+                req.error = (
+                    f"request needs {req.num_tokens} tokens of KV cache, but the cache holds "
+                    f"{self.block_manager.num_gpu_blocks * self.block_manager.block_size} tokens "
+                    f"and max_model_len is {self.config.max_model_len}"
+                )
+                self.finish_request(req, RequestStatus.FINISHED_IGNORED)
+                out.rejected.append(req)
+                continue
+            self.block_manager.allocate(req)
+            req.status = RequestStatus.RUNNING
+            self.running.insert_sorted(req)
+            num_tokens = budget.take(req, reserve=0)
+            out.add(req, num_tokens, self.block_manager.get_block_table(req))
+
+    def _has_room(self, budget: _Budget) -> bool:
+        return budget.has_room and len(self.running) < self.config.max_num_seqs
+
+    def _can_admit(self, req: Request) -> AllocStatus:
+        if req.num_tokens > self.config.max_model_len:
+            return AllocStatus.NEVER
+        return self.block_manager.can_allocate(req)
+
+    # -- preemption --------------------------------------------------------------------------
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        out.preempted.append(victim)
+        if self._should_swap(victim):
+            out.blocks_to_swap_out += self.block_manager.swap_out(victim)
+            victim.status = RequestStatus.SWAPPED
+            self.swapped.insert_sorted(victim)
+            self.num_preemptions["swap"] += 1
+        else:
+            self._recompute(victim)
+            self.num_preemptions["recompute"] += 1
+
+    def _should_swap(self, victim: Request) -> bool:
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.block_manager.can_swap_out(victim):
+            return False
+        # auto: with less than a block computed there is nothing worth moving; recompute it
+        return mode == "swap" or victim.num_computed_tokens >= self.block_manager.block_size
+
+    def _recompute(self, req: Request) -> None:
+        """Drop `req`'s K/V; it re-prefills prompt and outputs so far when readmitted."""
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.insert_sorted(req)
+
+    # -- after the forward -------------------------------------------------------------------
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish stopped requests.
+
+        Returns the requests that got a new token (finished ones included), in batch order.
+        """
+        updated = []
+        now = time.monotonic()
+        for req in out.scheduled:
+            if req.is_finished:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            token_id = sampled_token_ids.get(req.request_id)
+            if token_id is None:  # a prefill chunk that did not reach the end of the prompt
+                continue
+            req.append_token(token_id)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token_id)
+            if status is not None:
+                self.finish_request(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token_id in req.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+
+class _Budget:
+    """Tokens and sequences left for this step."""
+
+    def __init__(self, num_tokens: int, num_seqs: int) -> None:
+        self.num_tokens = num_tokens
+        self.num_seqs = num_seqs
+
+    @property
+    def has_room(self) -> bool:
+        return self.num_tokens > 0 and self.num_seqs > 0
+
+    def take(self, req: Request, reserve: int) -> int:
+        """Claim up to the rest of `req`'s uncomputed tokens, leaving `reserve` for others."""
+        if self.num_seqs == 0:
+            return 0
+        available = self.num_tokens - reserve if self.num_tokens > reserve else self.num_tokens
+        num_tokens = min(req.num_tokens - req.num_computed_tokens, available)
+        if num_tokens > 0:
+            self.num_tokens -= num_tokens
+            self.num_seqs -= 1
+        return num_tokens

@@ -1,0 +1,94 @@
+"""LLM: offline batch generation (vLLM's `LLM` shape)."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from typing import Any, cast
+
+from asyncengine.config import EngineArgs
+from asyncengine.engine.llm_engine import EngineStats, LLMEngine
+from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate for a list of prompts at once: `LLM(model=path).generate(prompts, params)`.
+
+    Any `EngineArgs` field may be passed as a keyword argument.
+    """
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        self._counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt that cannot run (too long, bad token ids) gets an output with `error` set
+        and finish_reason "error"; the others are unaffected.
+        """
+        is_single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        prompt_list: list[Prompt] = (
+            [cast(Prompt, prompts)] if is_single else list(cast(Sequence[Prompt], prompts))
+        )
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params_list = [params] * len(prompt_list)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
+                )
+        results: dict[str, RequestOutput] = {}
+        ids = []
+        for prompt, p in zip(prompt_list, params_list):
+            request_id = str(next(self._counter))
+            ids.append(request_id)
+            try:
+                self.llm_engine.add_request(request_id, prompt, p)
+            except ValueError as exc:
+                results[request_id] = _failed(request_id, prompt, str(exc))
+        self._run(results, show_progress=use_tqdm and sys.stderr.isatty(), total=len(ids))
+        return [results[i] for i in ids]
+
+    def _run(self, results: dict[str, RequestOutput], show_progress: bool, total: int) -> None:
+        progress = None
+        if show_progress:
+            from tqdm import tqdm
+
+            progress = tqdm(total=total, desc="Processed prompts", initial=len(results))
+        while self.llm_engine.has_unfinished_requests():
+            for out in self.llm_engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+
+def _failed(request_id: str, prompt: Prompt, error: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
+        finished=True,
+        error=error,
+    )

@@ -1,0 +1,135 @@
+"""Attention over the paged KV cache: the plain-torch backend (CPU path, kernel reference)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncengine.worker.forward_context import AttentionMetadata, get_forward_context
+
+
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write new K/V rows ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence's first `seq_len` tokens, read through its block table."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = kv_cache[:, block_table[:num_blocks]]  # [2, n, block_size, kv_heads, dim]
+    blocks = blocks.flatten(1, 2)[:, :seq_len]
+    return blocks[0], blocks[1]
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its cached K/V ([T, heads, dim] -> same)."""
+    out = torch.empty_like(query)
+    nd = meta.num_decodes
+    if nd:
+        out[:nd] = _decode_attention(query[:nd], kv_cache, meta, scale, sliding_window)
+    for i in range(nd, len(meta.context_lens)):
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        key, value = gather_kv(kv_cache, meta.block_tables[i], meta.seq_lens_list[i])
+        out[start:end] = _prefill_attention(
+            query[start:end], key, value, meta.context_lens[i], scale, sliding_window
+        )
+    return out
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    # all one-token sequences at once: gather their blocks, pad to the longest, mask the rest
+    nd = query.shape[0]
+    block_size = kv_cache.shape[2]
+    seq_lens = meta.seq_lens[:nd]
+    max_len = max(meta.seq_lens_list[:nd])
+    num_blocks = -(-max_len // block_size)
+    kv = kv_cache[:, meta.block_tables[:nd, :num_blocks]]  # [2, nd, nb, bs, kv_heads, dim]
+    kv = kv.flatten(2, 3)[:, :, :max_len].transpose(2, 3)  # [2, nd, kv_heads, len, dim]
+    pos = torch.arange(max_len, device=query.device)
+    mask = pos[None, :] < seq_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= (seq_lens[:, None] - sliding_window)
+    # slots past a sequence's end hold whatever the block held before (even NaN, in a fresh
+    # cache): zero them so a masked-out weight of 0 never meets NaN in the weighted sum
+    value = kv[1].masked_fill(~mask[:, None, :, None], 0.0)
+    attn = F.scaled_dot_product_attention(
+        query.unsqueeze(2),  # [nd, heads, 1, dim]
+        kv[0],
+        value,
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attn.squeeze(2)
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    # query i sits at position context_len + i and sees keys up to there (causal)
+    num_new, seq_len = query.shape[0], key.shape[0]
+    q, k, v = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+    if context_len == 0 and (sliding_window is None or seq_len <= sliding_window):
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(context_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    assert attn.shape[1] == num_new
+    return attn.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Stores this layer's new K/V in the paged cache and attends over it."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        meta = ctx.attn_metadata
+        store_kv(key, value, kv_cache, meta.slot_mapping)
+        return paged_attention(query, kv_cache, meta, self.scale, self.sliding_window)

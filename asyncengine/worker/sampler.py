@@ -1,0 +1,114 @@
+"""Turn the last-position logits of each sampling request into its next token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncengine.core.request import Request
+from asyncengine.outputs import Logprobs
+
+_SEED_STRIDE = 1_000_003
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    """Penalties, min_tokens masking, greedy or temperature/top-k/top-p/min-p sampling.
+
+    A seeded request draws from a generator seeded by (seed, output position), so its tokens
+    do not depend on what else is in the batch or on preemption.
+    """
+
+    def __init__(self, device: str, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in reqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties_and_masks(logits, reqs)
+        if all(r.sampling_params.is_greedy for r in reqs):
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = [self._sample_one(row, req) for row, req in zip(logits, reqs)]
+        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, reqs))
+
+    def _apply_penalties_and_masks(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        for i, req in enumerate(reqs):
+            params = req.sampling_params
+            if params.has_penalties:
+                _apply_penalties(logits[i], req)
+            if req.num_output_tokens < params.min_tokens:
+                banned = [*params.stop_token_ids]
+                if not params.ignore_eos:
+                    banned += req.eos_token_ids
+                logits[i, banned] = -float("inf")
+        return logits
+
+    def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
+        params = req.sampling_params
+        if params.is_greedy:
+            return int(logits.argmax())
+        logits = logits / params.temperature
+        if params.top_k > 0 and params.top_k < logits.numel():
+            kth = torch.topk(logits, params.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, -float("inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # drop a token when the mass before it already reaches top_p (keeps at least one)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        if params.min_p > 0.0:
+            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        generator = self.generator
+        if params.seed is not None:
+            seed = (params.seed * _SEED_STRIDE + req.num_output_tokens) % (1 << 63)
+            generator = torch.Generator(self.device).manual_seed(seed)
+        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p (and ignores zeros)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        return int((probs / noise).argmax())
+
+    @staticmethod
+    def _logprobs(
+        logprobs: torch.Tensor | None, token_ids: list[int], reqs: list[Request]
+    ) -> list[Logprobs | None]:
+        if logprobs is None:
+            return [None] * len(reqs)
+        result: list[Logprobs | None] = []
+        for row, token_id, req in zip(logprobs, token_ids, reqs):
+            num_top = req.sampling_params.logprobs
+            if num_top is None:
+                result.append(None)
+                continue
+            entry = {token_id: float(row[token_id])}
+            if num_top:
+                top = torch.topk(row, num_top)
+                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+            result.append(entry)
+        return result
+
+
+def _apply_penalties(logits: torch.Tensor, req: Request) -> None:
+    params = req.sampling_params
+    device = logits.device
+    if params.repetition_penalty != 1.0:
+        # as transformers and vLLM: over prompt and output tokens; shrink logits toward 0
+        seen = torch.tensor(sorted(set(req.token_ids)), dtype=torch.long, device=device)
+        values = logits[seen]
+        logits[seen] = torch.where(
+            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+        )
+    if params.presence_penalty or params.frequency_penalty:
+        output = torch.tensor(req.output_token_ids, dtype=torch.long, device=device)
+        counts = torch.bincount(output, minlength=logits.numel()).to(logits.dtype)
+        logits -= params.frequency_penalty * counts
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
