@@ -124,7 +124,8 @@ class LLMEngine:
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            token_ids = list(self.tokenizer.encode(prompt))
+            # checked before encoding: a tokenizer that adds BOS never returns nothing
+            token_ids = list(self.tokenizer.encode(prompt)) if prompt else []
         else:
             token_ids = list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]

@@ -17,6 +17,8 @@ def resolve_model_path(model: str) -> str:
         return model
     if os.path.exists(model):
         raise ValueError(f"model {model!r} is a file; pass a directory with config.json")
+    if model.startswith(("/", "./", "../", "~")):
+        raise ValueError(f"model {model!r} is not a local directory")
     try:
         from huggingface_hub import snapshot_download
 

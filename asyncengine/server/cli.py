@@ -32,7 +32,9 @@ def _generate(ns: argparse.Namespace) -> int:
 
     args = engine_args_from(ns)
     llm = LLM(**dataclasses.asdict(args))
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed_sample)
+    params = SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, seed=ns.seed_sample
+    )
     for out in llm.generate(ns.prompts, params, use_tqdm=False):
         if out.error:
             print(f"error: {out.error}", file=sys.stderr)

@@ -1,0 +1,89 @@
+"""Every invalid SamplingParams / EngineArgs field raises a ValueError that names it."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncengine import EngineArgs, SamplingParams
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("n", 0),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("temperature", -0.5),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("seed", -1),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("stop", [""]),
+        ("stop_token_ids", [-1]),
+        ("logprobs", 21),
+    ],
+)
+def test_bad_sampling_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens .*max_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+
+
+def test_sampling_params_defaults_and_normalisation() -> None:
+    params = SamplingParams(stop="###", temperature=0.0)
+    assert params.stop == ["###"]
+    assert params.stop_token_ids == []
+    assert params.is_greedy and not params.has_penalties
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("dtype", "float64"),
+        ("device", "tpu"),
+        ("block_size", 12),
+        ("block_size", 4),
+        ("block_size", 2048),
+        ("gpu_memory_utilization", 0.0),
+        ("gpu_memory_utilization", 1.5),
+        ("swap_space", -1),
+        ("seed", -1),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("max_model_len", 0),
+        ("num_gpu_blocks_override", 0),
+        ("num_cpu_blocks_override", -1),
+        ("preemption_mode", "drop"),
+        ("attention_backend", "flash"),
+    ],
+)
+def test_bad_engine_args_name_the_field(field: str, value: object, model_dir) -> None:
+    args = EngineArgs(model=str(model_dir("llama")), **{field: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"EngineArgs\.{field}\b"):
+        args.create_engine_config()
+
+
+def test_batched_token_budget_must_cover_every_running_request(model_dir) -> None:
+    args = EngineArgs(model=str(model_dir("llama")), max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match=r"EngineArgs\.max_num_batched_tokens .*max_num_seqs"):
+        args.create_engine_config()
+
+
+def test_max_model_len_cannot_exceed_the_model(model_dir) -> None:
+    args = EngineArgs(model=str(model_dir("llama")), max_model_len=10**6)
+    with pytest.raises(ValueError, match=r"EngineArgs\.max_model_len"):
+        args.create_engine_config()
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64, 512, 1024])
+def test_every_power_of_two_block_size_is_accepted(block_size: int, model_dir) -> None:
+    config = EngineArgs(model=str(model_dir("llama")), block_size=block_size).create_engine_config()
+    assert config.cache_config.block_size == block_size
