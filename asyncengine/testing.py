@@ -217,8 +217,9 @@ def make_random_model(
     """Write a small random-weight `*ForCausalLM` of `family` plus its tokenizer to `out_dir`.
 
     Defaults: hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA). llama uses Llama-3 rope
-    scaling that takes effect past position 64; qwen2 has qkv bias; qwen3 has an explicit
-    head_dim, q/k norms and tied embeddings. Any config field can be overridden by keyword.
+    scaling (from an original context of 256, so it changes outputs at test lengths); qwen2 has
+    qkv bias; qwen3 has an explicit head_dim, q/k norms and tied embeddings. Any config field
+    can be overridden by keyword; bos/eos/pad ids follow the tokenizer (ids 0, 1, 2).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

@@ -104,17 +104,24 @@ class BlockSpaceManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _fit(self, num_needed: int) -> AllocStatus:
-        if self.num_gpu_blocks - num_needed < self.watermark_blocks:
+    def _fit(self, num_needed: int, watermark: int) -> AllocStatus:
+        if self.num_gpu_blocks - num_needed < watermark:
             return AllocStatus.NEVER
-        if self.gpu_pool.num_free - num_needed >= self.watermark_blocks:
+        if self.gpu_pool.num_free - num_needed >= watermark:
             return AllocStatus.OK
         return AllocStatus.LATER
 
     # -- admission ---------------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence) -> AllocStatus:
-        return self._fit(self.num_blocks_for(seq.num_tokens))
+    def can_allocate(self, seq: Sequence, is_resumed: bool = False) -> AllocStatus:
+        """Whether `seq`'s tokens fit now, later, or never.
+
+        The watermark keeps new requests from taking the last blocks that running ones grow
+        into. A request resumed after preemption (`is_resumed`) may have grown into them
+        already, so it only needs the blocks themselves; otherwise it could never come back.
+        """
+        watermark = 0 if is_resumed else self.watermark_blocks
+        return self._fit(self.num_blocks_for(seq.num_tokens), watermark)
 
     def allocate(self, seq: Sequence) -> None:
         assert seq.request_id not in self.block_tables, f"{seq.request_id} already allocated"
@@ -175,7 +182,8 @@ class BlockSpaceManager:
         )
 
     def can_swap_in(self, seq: Sequence) -> AllocStatus:
-        return self._fit(self.num_blocks_for(seq.num_tokens))
+        """Like `can_allocate` for a resumed request: no watermark (see there)."""
+        return self._fit(self.num_blocks_for(seq.num_tokens), watermark=0)
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq`'s blocks back to the GPU pool; return (cpu, gpu) pairs to copy."""

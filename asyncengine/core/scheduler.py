@@ -179,7 +179,7 @@ class Scheduler:
     def _can_admit(self, req: Request) -> AllocStatus:
         if req.num_tokens > self.config.max_model_len:
             return AllocStatus.NEVER
-        return self.block_manager.can_allocate(req)
+        return self.block_manager.can_allocate(req, is_resumed=req.num_preemptions > 0)
 
     # -- preemption --------------------------------------------------------------------------
 

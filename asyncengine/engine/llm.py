@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
+from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
@@ -59,7 +60,7 @@ class LLM:
             ids.append(request_id)
             try:
                 self.llm_engine.add_request(request_id, prompt, p)
-            except ValueError as exc:
+            except InvalidRequestError as exc:
                 results[request_id] = _failed(request_id, prompt, str(exc))
         self._run(results, show_progress=use_tqdm and sys.stderr.isatty(), total=len(ids))
         return [results[i] for i in ids]

@@ -4,19 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.block_manager import BlockSpaceManager
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.engine.detokenizer import IncrementalDetokenizer
+from asyncengine.errors import DuplicateRequestError, InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, Logprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = get_logger(__name__)
+
+
+class ModelRunnerLike(Protocol):
+    def determine_num_blocks(self) -> tuple[int, int]: ...
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
+
+    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
 @dataclass
@@ -49,7 +58,8 @@ class _RequestState:
 class LLMEngine:
     """Adds requests, steps them and returns their outputs. Not thread-safe; one caller."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, model_runner: ModelRunnerLike | None = None) -> None:
+        """`model_runner` replaces the real one (tests and overhead benchmarks use a fake)."""
         from transformers import AutoTokenizer
 
         self.config = config
@@ -57,7 +67,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model_config.hf_config)
         self.vocab_size = int(model_config.hf_config.vocab_size)
-        self.model_runner = ModelRunner(config)
+        self.model_runner = model_runner or ModelRunner(config)
         num_gpu_blocks, num_cpu_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         cache = config.cache_config
@@ -96,13 +106,13 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> Request:
-        """Validate and queue a request; bad input raises `ValueError` naming the field."""
+        """Validate and queue a request; bad input raises `InvalidRequestError` naming the field."""
         if request_id in self._states:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         prompt_token_ids = self.tokenize(prompt)
         max_len = self.config.model_config.max_model_len
         if len(prompt_token_ids) > max_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"prompt is {len(prompt_token_ids)} tokens, longer than max_model_len ({max_len})"
             )
         req = Request(
@@ -130,11 +140,11 @@ class LLMEngine:
             token_ids = list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
                 )
         if not token_ids:
-            raise ValueError("prompt is empty")
+            raise InvalidRequestError("prompt is empty")
         return token_ids
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
@@ -147,6 +157,9 @@ class LLMEngine:
             if req is not None and state is not None:
                 outputs.append(self._make_output(req, state))
         return outputs
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._states
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -1,0 +1,189 @@
+"""AsyncLLMEngine: one asyncio step loop serving many concurrent `async for` streams."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from asyncengine.config import EngineArgs
+from asyncengine.engine.llm_engine import EngineStats, LLMEngine
+from asyncengine.errors import DuplicateRequestError, EngineDeadError, InvalidRequestError
+from asyncengine.logging import get_logger
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import SamplingParams
+
+logger = get_logger(__name__)
+
+
+class RequestOutputCollector:
+    """The one pending output of a request, for its caller to take.
+
+    Outputs are cumulative, so a newer one carries every token of an older one: when the caller
+    is slow, a new output replaces the pending one instead of queueing behind it. The step loop
+    never waits for a caller, and memory per stream stays bounded.
+    """
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(self._pending, BaseException):  # an error is never overwritten
+            self._pending = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
+
+
+class AsyncLLMEngine:
+    """Streams each request's outputs to its caller while one loop batches all of them.
+
+    All scheduler state lives on the event loop's thread; only the forward (and the block
+    moves before it) runs in a single worker thread, so the loop keeps streaming meanwhile.
+    """
+
+    def __init__(self, engine: LLMEngine, step_timeout_s: float = 300.0) -> None:
+        self.engine = engine
+        self.step_timeout_s = step_timeout_s
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-step")
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._has_work: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(args))
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if the engine can no longer serve."""
+        if self._dead is not None:
+            raise self._dead
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative output after each step; the last has `finished=True`.
+
+        Bad input raises `InvalidRequestError` here, before anything is queued. Leaving the
+        loop early (break, cancellation, `aclose()`) aborts the request and frees its blocks.
+        """
+        self.check_health()
+        self._start()
+        if request_id in self._collectors:
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
+        collector = RequestOutputCollector()
+        self.engine.add_request(request_id, prompt, sampling_params, priority)
+        self._collectors[request_id] = collector
+        assert self._has_work is not None
+        self._has_work.set()
+        finished = False
+        try:
+            while not finished:
+                out = await collector.get()
+                finished = out.finished
+                if out.error is not None:
+                    raise InvalidRequestError(out.error)
+                yield out
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request wherever it is; unknown or finished ids are a no-op.
+
+        Its blocks are free when this returns (a step already running finishes without it).
+        """
+        final = self.engine.abort_request(request_id)
+        collector = self._collectors.pop(request_id, None)
+        if collector is not None and final:
+            collector.put(final[0])
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self.is_running:
+            return
+        self._has_work = asyncio.Event()
+        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="step-loop")
+        self._loop_task.add_done_callback(self._on_loop_done)
+
+    async def _run(self) -> None:
+        assert self._has_work is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_unfinished_requests():
+                self._has_work.clear()
+                await self._has_work.wait()
+                continue
+            plan = self.engine.schedule()
+            step_started = time.monotonic()
+            result = await asyncio.wait_for(
+                loop.run_in_executor(self._executor, self.engine.execute, plan),
+                self.step_timeout_s,
+            )
+            for out in self.engine.update(plan, result):
+                collector = self._collectors.get(out.request_id)
+                if collector is None:
+                    continue
+                collector.put(out)
+                if out.finished:
+                    del self._collectors[out.request_id]
+            logger.debug(
+                "step", num_scheduled=len(plan.scheduled), seconds=time.monotonic() - step_started
+            )
+            # let the streams run before the next step; the step itself never awaits them
+            await asyncio.sleep(0)
+
+    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() and self._dead is not None:
+            return
+        cause = task.exception() if not task.cancelled() else None
+        if isinstance(cause, asyncio.TimeoutError):
+            cause = TimeoutError(f"a step took longer than {self.step_timeout_s} s")
+        dead = EngineDeadError(f"the engine's step loop stopped: {cause!r}")
+        dead.__cause__ = cause
+        self._dead = dead
+        logger.error("engine_dead", cause=repr(cause), open_streams=len(self._collectors))
+        for collector in self._collectors.values():
+            collector.put(dead)
+        self._collectors.clear()
+
+    async def shutdown(self) -> None:
+        """Abort every request, end every stream, and stop the loop and the worker thread."""
+        for request_id in list(self._collectors):
+            self.abort(request_id)
+        if self._dead is None:
+            self._dead = EngineDeadError("the engine was shut down")
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,253 @@
+"""AsyncLLMEngine: concurrent streams, cancellation in every state, errors, slow consumers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+from asyncengine import (
+    LLM,
+    AsyncLLMEngine,
+    DuplicateRequestError,
+    EngineArgs,
+    EngineDeadError,
+    InvalidRequestError,
+    SamplingParams,
+)
+from asyncengine.core.request import RequestStatus
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+KOREAN_PROMPTS = ["재미있는 이야기 들려줘", "양자역학 설명해줄래?", "봄에 관한 시를 써줄래?"]
+
+
+def run(main: Callable[[], Awaitable[Any]], use_uvloop: bool = False) -> Any:
+    return uvloop.run(main()) if use_uvloop else asyncio.run(main())
+
+
+def make_engine(model_dir, **overrides: Any) -> AsyncLLMEngine:
+    args = EngineArgs(model=str(model_dir), device="cpu", dtype="float32", **overrides)
+    return AsyncLLMEngine.from_engine_args(args)
+
+
+async def collect(engine: AsyncLLMEngine, prompt, params, request_id: str) -> list[Any]:
+    return [out async for out in engine.generate(prompt, params, request_id=request_id)]
+
+
+def assert_nothing_left(engine: AsyncLLMEngine) -> None:
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+    engine.engine.block_manager.check_invariants()
+    assert not engine.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("use_uvloop", [False, True])
+def test_three_korean_prompts_stream_concurrently_and_match_llm(model_dir, use_uvloop) -> None:
+    path = model_dir("llama")
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=7)
+    expected = [
+        o.outputs[0].text
+        for o in LLM(model=str(path), device="cpu", dtype="float32").generate(
+            KOREAN_PROMPTS, params, use_tqdm=False
+        )
+    ]
+    engine = make_engine(path)
+    in_flight_together = []
+
+    async def generate_stream(prompt: str) -> str:
+        text, num_deltas = "", 0
+        async for out in engine.generate(prompt, params, request_id=f"req-{hash(prompt)}"):
+            in_flight_together.append(engine.get_stats().num_running)
+            assert out.outputs[0].text.startswith(text)
+            text = out.outputs[0].text
+            num_deltas += 1
+        assert out.finished and num_deltas > 1
+        return text
+
+    async def main() -> list[str]:
+        texts = await asyncio.gather(*(generate_stream(p) for p in KOREAN_PROMPTS))
+        assert_nothing_left(engine)
+        await engine.shutdown()
+        return list(texts)
+
+    assert run(main, use_uvloop) == expected
+    assert max(in_flight_together) == 3  # the streams really shared steps
+
+
+def test_200_streams_with_a_third_cancelled_in_every_state(model_dir) -> None:
+    path = model_dir("llama")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 40))] for _ in range(200)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True)
+        for _ in range(200)
+    ]
+    reference = LLM(model=str(path), device="cpu", dtype="float32").generate(
+        prompts, params, use_tqdm=False
+    )
+    engine = make_engine(
+        path,
+        block_size=8,
+        num_gpu_blocks_override=48,
+        num_cpu_blocks_override=400,
+        preemption_mode="swap",
+        max_num_seqs=64,
+    )
+    # a third is cancelled: while waiting, while swapped out, or by the reader leaving mid-stream
+    chosen = rng.sample(range(200), 66)
+    cancel_ids = set(chosen)
+    when = dict.fromkeys(chosen[:22], RequestStatus.WAITING)
+    when |= dict.fromkeys(chosen[22:44], RequestStatus.SWAPPED)
+    cancelled_in: dict[str, RequestStatus] = {}
+
+    async def consume(i: int) -> list[int] | None:
+        request_id = f"r{i}"
+        stop_after = rng.randint(0, 3) if i in chosen[44:] else None
+        received = 0
+        out = None
+        async for out in engine.generate(prompts[i], params[i], request_id=request_id):  # noqa: B007
+            received += 1
+            if stop_after is not None and received > stop_after:
+                cancelled_in.setdefault(request_id, RequestStatus.RUNNING)
+                break  # leaving the loop aborts the request
+        return None if i in cancel_ids else out.outputs[0].token_ids
+
+    async def cancel_waiting_and_swapped(tasks: dict[str, asyncio.Task]) -> None:
+        # cancel some of the chosen requests while they sit in the waiting or swapped queue
+        scheduler = engine.engine.scheduler
+        while any(not t.done() for t in tasks.values()):
+            for queue in (scheduler.waiting, scheduler.swapped):
+                for req in list(queue):
+                    task = tasks[req.request_id]
+                    if when.get(int(req.request_id[1:])) is req.status and not task.done():
+                        cancelled_in.setdefault(req.request_id, req.status)
+                        task.cancel()
+            await asyncio.sleep(0)
+
+    async def main() -> list[Any]:
+        tasks = {f"r{i}": asyncio.create_task(consume(i)) for i in range(200)}
+        await cancel_waiting_and_swapped(tasks)
+        results = await asyncio.gather(*tasks.values(), return_exceptions=True)
+        # a `break` leaves the generator to the loop's finalizer, which closes it next tick
+        await asyncio.sleep(0.05)
+        assert_nothing_left(engine)
+        await engine.shutdown()
+        return results
+
+    results = run(main)
+    for i, result in enumerate(results):
+        if i in cancel_ids:
+            assert result is None or isinstance(result, asyncio.CancelledError)
+        else:
+            assert result == reference[i].outputs[0].token_ids, f"request {i}"
+    states = set(cancelled_in.values())
+    assert {RequestStatus.WAITING, RequestStatus.SWAPPED, RequestStatus.RUNNING} <= states
+    assert engine.get_stats().num_preemptions_swap > 0
+
+
+def test_engine_fault_ends_every_stream_with_engine_dead_error(model_dir) -> None:
+    engine = make_engine(model_dir("llama"))
+    real_execute = engine.engine.execute
+    num_steps = 0
+    fault_at = 0.0
+
+    def failing_execute(plan):
+        nonlocal num_steps, fault_at
+        num_steps += 1
+        if num_steps == 5:
+            fault_at = time.monotonic()
+            raise RuntimeError("injected fault")
+        return real_execute(plan)
+
+    engine.engine.execute = failing_execute  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+
+    async def main() -> None:
+        streams = [
+            asyncio.create_task(collect(engine, p, params, f"f{i}"))
+            for i, p in enumerate(KOREAN_PROMPTS)
+        ]
+        done, pending = await asyncio.wait(streams, timeout=10.0)
+        assert not pending
+        assert time.monotonic() - fault_at < 1.0
+        for task in done:
+            error = task.exception()
+            assert isinstance(error, EngineDeadError)
+            assert isinstance(error.__cause__, RuntimeError)
+            assert "injected fault" in str(error)
+        assert engine.errored and not engine.is_running
+        with pytest.raises(EngineDeadError):
+            engine.check_health()
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "again", params, "late")
+        await engine.shutdown()
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    run(main)
+
+
+def test_bad_requests_fail_alone(model_dir) -> None:
+    engine = make_engine(
+        model_dir("llama"), max_model_len=64, num_gpu_blocks_override=6, block_size=8
+    )
+    good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    async def main() -> None:
+        ok = asyncio.create_task(collect(engine, KOREAN_PROMPTS[0], good, "ok"))
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await collect(engine, list(range(3, 90)), good, "too-long")
+        with pytest.raises(InvalidRequestError, match="KV cache"):
+            await collect(engine, list(range(3, 60)), good, "never-fits")
+        with pytest.raises(InvalidRequestError, match="empty"):
+            await collect(engine, "", good, "empty")
+        first = engine.generate(KOREAN_PROMPTS[1], good, request_id="dup")
+        await first.__anext__()
+        with pytest.raises(DuplicateRequestError):
+            await collect(engine, KOREAN_PROMPTS[2], good, "dup")
+        await first.aclose()
+        outputs = await ok
+        assert len(outputs[-1].outputs[0].token_ids) == 8
+        engine.abort("unknown-id")  # a no-op
+        engine.abort("ok")  # finished already: a no-op
+        assert_nothing_left(engine)
+        await engine.shutdown()
+
+    run(main)
+
+
+def test_slow_consumer_gets_every_token_without_slowing_the_others(model_dir) -> None:
+    engine = make_engine(model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    reference = LLM(model=str(model_dir("llama")), device="cpu", dtype="float32").generate(
+        KOREAN_PROMPTS, params, use_tqdm=False
+    )
+
+    async def consume(i: int, delay: float) -> tuple[list[int], int, float]:
+        started, num_reads = time.monotonic(), 0
+        async for out in engine.generate(KOREAN_PROMPTS[i], params, request_id=f"s{i}"):  # noqa: B007
+            num_reads += 1
+            await asyncio.sleep(delay)
+        return out.outputs[0].token_ids, num_reads, time.monotonic() - started
+
+    async def main() -> list[tuple[list[int], int, float]]:
+        results = await asyncio.gather(consume(0, 0.05), consume(1, 0.0), consume(2, 0.0))
+        await engine.shutdown()
+        return list(results)
+
+    results = run(main)
+    for (tokens, _, _), ref in zip(results, reference):
+        assert tokens == ref.outputs[0].token_ids
+    (_, slow_reads, slow_s), (_, fast_reads, fast_s) = results[0], results[1]
+    assert slow_reads < fast_reads  # the slow reader's outputs were merged, not queued
+    print(
+        f"\nslow consumer: {slow_reads} reads in {slow_s:.2f}s; "
+        f"fast consumer: {fast_reads} reads in {fast_s:.2f}s"
+    )
