@@ -10,7 +10,7 @@ from asyncengine.errors import (
     EngineOverloadedError,
     InvalidRequestError,
 )
-from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "EngineStats",
     "InvalidRequestError",
     "LLMEngine",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
 ]

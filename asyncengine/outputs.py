@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # token id -> logprob for the sampled token and the top-n alternatives at one position
 Logprobs = dict[int, float]
@@ -26,6 +26,18 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Timings (time.monotonic seconds) and counts of one request, for usage reports."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
 class RequestOutput:
     """The state of one request after a step; `finished` is True on its last output."""
 
@@ -35,4 +47,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics | None = None

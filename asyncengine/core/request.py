@@ -77,6 +77,7 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.finished_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -84,6 +84,7 @@ class Scheduler:
                 queue.remove(req)
                 break
         req.status = status
+        req.finished_time = time.monotonic()
         self.block_manager.free(req)
         self.requests.pop(req.request_id, None)
 

@@ -82,6 +82,10 @@ class AsyncLLMEngine:
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
+    def request_phase(self, request_id: str) -> str | None:
+        """ "queued", "prefill", "decode" or "preempted"; None when not in flight."""
+        return self.engine.request_phase(request_id)
+
     # -- requests ----------------------------------------------------------------------------
 
     async def generate(

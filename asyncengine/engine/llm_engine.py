@@ -13,7 +13,7 @@ from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.engine.detokenizer import IncrementalDetokenizer
 from asyncengine.errors import DuplicateRequestError, InvalidRequestError
 from asyncengine.logging import get_logger
-from asyncengine.outputs import CompletionOutput, Logprobs, RequestOutput
+from asyncengine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -161,6 +161,19 @@ class LLMEngine:
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._states
 
+    def request_phase(self, request_id: str) -> str | None:
+        """ "queued", "prefill", "decode" or "preempted"; None when not in flight."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.SWAPPED or (
+            req.status is RequestStatus.WAITING and req.num_preemptions
+        ):
+            return "preempted"
+        if req.status is RequestStatus.WAITING:
+            return "queued"
+        return "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode"
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -234,6 +247,13 @@ class LLMEngine:
             outputs=[completion],
             finished=req.is_finished,
             error=req.error,
+            metrics=RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time,
+                first_token_time=req.first_token_time,
+                finished_time=req.finished_time,
+                num_preemptions=req.num_preemptions,
+            ),
         )
 
     # -- introspection -----------------------------------------------------------------------
