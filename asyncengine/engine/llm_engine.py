@@ -10,7 +10,7 @@ from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.block_manager import BlockSpaceManager
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
-from asyncengine.engine.detokenizer import IncrementalDetokenizer
+from asyncengine.engine.detokenizer import IncrementalDetokenizer, make_decode
 from asyncengine.errors import DuplicateRequestError, InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
@@ -65,6 +65,7 @@ class LLMEngine:
         self.config = config
         model_config = config.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
+        self._decode = make_decode(self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model_config.hf_config)
         self.vocab_size = int(model_config.hf_config.vocab_size)
         self.model_runner = model_runner or ModelRunner(config)
@@ -127,7 +128,7 @@ class LLMEngine:
         self._states[request_id] = _RequestState(
             prompt=prompt if isinstance(prompt, str) else None,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, sampling_params.skip_special_tokens
+                self._decode, prompt_token_ids, sampling_params.skip_special_tokens
             ),
         )
         return req
