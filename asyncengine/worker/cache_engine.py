@@ -23,17 +23,18 @@ class CacheEngine:
     ) -> None:
         self.device = device
 
-        def pool(num_blocks: int, where: str, pin: bool) -> list[torch.Tensor]:
-            # empty, not zeros: every slot is written before it is read, and untouched host
-            # pages cost nothing until used
+        def pool(num_blocks: int, where: str, pin: bool, zeroed: bool) -> list[torch.Tensor]:
             shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+            new = torch.zeros if zeroed else torch.empty
             return [
-                torch.empty(shape, dtype=dtype, device=where, pin_memory=pin)
-                for _ in range(num_layers)
+                new(shape, dtype=dtype, device=where, pin_memory=pin) for _ in range(num_layers)
             ]
 
-        self.gpu_cache = pool(num_gpu_blocks, device, pin=False)
-        self.cpu_cache = pool(num_cpu_blocks, "cpu", pin=device == "cuda")
+        # Attention may read slots past a sequence's end (padding, a block's unused tail) and
+        # weighs them by exactly 0; zeroing the device pool once keeps them finite (0 * NaN is
+        # NaN). The swap pool only ever receives copies of device blocks, so it may stay empty.
+        self.gpu_cache = pool(num_gpu_blocks, device, pin=False, zeroed=True)
+        self.cpu_cache = pool(num_cpu_blocks, "cpu", pin=device == "cuda", zeroed=False)
 
     @staticmethod
     def bytes_per_block(
