@@ -66,6 +66,11 @@ class Scheduler:
         self.swapped = _Queue()
         self.requests: dict[str, Request] = {}
         self.num_preemptions: Counter[str] = Counter()  # by mode: "swap" | "recompute"
+        # a sequence stops at max_model_len, or when it fills the whole cache: it could
+        # never grow further, and preempting it would not help
+        self.max_seq_len = min(
+            config.max_model_len, block_manager.num_gpu_blocks * block_manager.block_size
+        )
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -248,7 +253,7 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if req.num_tokens >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
