@@ -10,6 +10,10 @@ import enum
 from collections import Counter
 from typing import Protocol
 
+from asyncengine.core.block_pool import BlockPool, NoFreeBlocksError
+
+__all__ = ["AllocStatus", "BlockPool", "BlockSpaceManager", "NoFreeBlocksError", "Sequence"]
+
 
 class AllocStatus(enum.Enum):
     OK = enum.auto()  # fits now
@@ -21,55 +25,11 @@ class Sequence(Protocol):
     """What the block manager needs to know of a request."""
 
     request_id: str
+    token_ids: list[int]
+    cache_salt: str | None
 
     @property
     def num_tokens(self) -> int: ...
-
-
-class NoFreeBlocksError(RuntimeError):
-    """A pool was asked for a block it does not have (a scheduler bug, never user input)."""
-
-
-class BlockPool:
-    """A fixed set of blocks on one device: O(1) allocate and free, reference-counted."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        # a stack: popping hands out low ids first, which keeps tests easy to read
-        self._free = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        if not self._free:
-            raise NoFreeBlocksError(f"all {self.num_blocks} blocks are in use")
-        block = self._free.pop()
-        self.ref_counts[block] = 1
-        return block
-
-    def incref(self, block: int) -> None:
-        assert self.ref_counts[block] > 0, f"block {block} is free"
-        self.ref_counts[block] += 1
-
-    def decref(self, block: int) -> None:
-        assert self.ref_counts[block] > 0, f"block {block} freed twice"
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            self._free.append(block)
-
-    def check_invariants(self, holders: Counter[int]) -> None:
-        """`holders[b]` = how many tables hold block b; it must equal b's reference count."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is in the free list twice"
-        for block, ref_count in enumerate(self.ref_counts):
-            assert ref_count == holders.get(block, 0), (
-                f"block {block}: ref_count {ref_count} but held by {holders.get(block, 0)} tables"
-            )
-            assert (ref_count == 0) == (block in free), f"block {block}: free list out of sync"
-        assert self.num_free + sum(1 for r in self.ref_counts if r) == self.num_blocks
 
 
 class BlockSpaceManager:
@@ -88,8 +48,9 @@ class BlockSpaceManager:
         watermark: float = 0.01,
         enable_caching: bool = False,
     ) -> None:
-        if enable_caching:
-            raise NotImplementedError("prefix caching is not implemented yet")
+        if enable_caching and sliding_window is not None:
+            raise ValueError("prefix caching does not support sliding-window attention")
+        self.enable_caching = enable_caching
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
@@ -100,16 +61,61 @@ class BlockSpaceManager:
         self.cpu_pool = BlockPool(num_cpu_blocks)
         self.block_tables: dict[str, list[int]] = {}  # requests whose blocks are on the GPU
         self.cpu_block_tables: dict[str, list[int]] = {}  # requests swapped out to the CPU
+        # prefix caching: content hashes of each request's full, computed blocks, in order
+        self.block_hashes: dict[str, list[int]] = {}
+        self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_cache_hits = 0  # of those, tokens found cached
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _fit(self, num_needed: int, watermark: int) -> AllocStatus:
+    def _fit(
+        self, num_needed: int, watermark: int, num_from_free: int | None = None
+    ) -> AllocStatus:
+        """NEVER if `num_needed` blocks exceed the pool; OK if `num_from_free` are free now."""
         if self.num_gpu_blocks - num_needed < watermark:
             return AllocStatus.NEVER
-        if self.gpu_pool.num_free - num_needed >= watermark:
+        num_from_free = num_needed if num_from_free is None else num_from_free
+        if self.gpu_pool.num_free - num_from_free >= watermark:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def _block_key(
+        self, seq: Sequence, index: int, parent: int | None
+    ) -> tuple[int, tuple[int, ...]]:
+        """(content hash, token ids) of full block `index`; the salt seeds the chain."""
+        tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+        return hash((parent if index else ("salt", seq.cache_salt), tokens)), tokens
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding `seq`'s longest prefix of full blocks (one token always left)."""
+        if not self.enable_caching:
+            return []
+        blocks: list[int] = []
+        parent = None
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            content_hash, tokens = self._block_key(seq, index, parent)
+            block = self.gpu_pool.lookup(content_hash, tokens)
+            if block is None:
+                break
+            blocks.append(block)
+            parent = content_hash
+        return blocks
+
+    def mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Index `seq`'s blocks that became full with computed K/V, for later prefix hits."""
+        if not self.enable_caching:
+            return
+        hashes = self.block_hashes.setdefault(seq.request_id, [])
+        table = self.block_tables[seq.request_id]
+        parent = hashes[-1] if hashes else None
+        for index in range(len(hashes), num_computed_tokens // self.block_size):
+            content_hash, tokens = self._block_key(seq, index, parent)
+            self.gpu_pool.register(table[index], content_hash, tokens)
+            hashes.append(content_hash)
+            parent = content_hash
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -121,12 +127,27 @@ class BlockSpaceManager:
         already, so it only needs the blocks themselves; otherwise it could never come back.
         """
         watermark = 0 if is_resumed else self.watermark_blocks
-        return self._fit(self.num_blocks_for(seq.num_tokens), watermark)
+        hits = self._match_prefix(seq)
+        # a cached block nobody holds sits in the free queue: reusing it takes a free block too
+        num_idle_hits = sum(1 for block in hits if self.gpu_pool.is_idle(block))
+        num_needed = self.num_blocks_for(seq.num_tokens)
+        return self._fit(num_needed, watermark, num_needed - len(hits) + num_idle_hits)
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: Sequence) -> int:
+        """Give `seq` blocks for all its tokens; return how many are already computed (cached)."""
         assert seq.request_id not in self.block_tables, f"{seq.request_id} already allocated"
-        num_blocks = self.num_blocks_for(seq.num_tokens)
-        self.block_tables[seq.request_id] = [self.gpu_pool.allocate() for _ in range(num_blocks)]
+        hits = self._match_prefix(seq)
+        for block in hits:  # taken before allocating, so allocation cannot evict them
+            self.gpu_pool.take(block)
+        num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
+        self.block_tables[seq.request_id] = hits + [
+            self.gpu_pool.allocate() for _ in range(num_new)
+        ]
+        if self.enable_caching:
+            self.block_hashes[seq.request_id] = [self.gpu_pool.block_hash[b] or 0 for b in hits]
+            self.num_cache_queries += seq.num_tokens
+            self.num_cache_hits += len(hits) * self.block_size
+        return len(hits) * self.block_size
 
     # -- growth and sharing ------------------------------------------------------------------
 
@@ -169,6 +190,8 @@ class BlockSpaceManager:
         for block in table:
             self.gpu_pool.incref(block)
         self.block_tables[child.request_id] = table
+        if parent.request_id in self.block_hashes:
+            self.block_hashes[child.request_id] = list(self.block_hashes[parent.request_id])
 
     # -- swapping ----------------------------------------------------------------------------
 
@@ -187,9 +210,13 @@ class BlockSpaceManager:
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq`'s blocks back to the GPU pool; return (cpu, gpu) pairs to copy."""
-        return self._move(
+        pairs = self._move(
             seq, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.gpu_pool
         )
+        # the new device blocks hold the same content: index them again
+        hashes = self.block_hashes.pop(seq.request_id, [])
+        self.mark_computed(seq, len(hashes) * self.block_size)
+        return pairs
 
     @staticmethod
     def _move(
@@ -210,11 +237,13 @@ class BlockSpaceManager:
 
     def free(self, seq: Sequence) -> None:
         """Release every block `seq` holds, wherever it is; unknown requests are a no-op."""
+        self.block_hashes.pop(seq.request_id, None)
         for tables, pool in (
             (self.block_tables, self.gpu_pool),
             (self.cpu_block_tables, self.cpu_pool),
         ):
-            for block in tables.pop(seq.request_id, ()):
+            # tail first: freed blocks are evicted in order, and a chain's tail is least useful
+            for block in reversed(tables.pop(seq.request_id, ())):
                 pool.decref(block)
 
     def has_blocks(self, seq: Sequence) -> bool:

@@ -59,12 +59,16 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
         self.priority = priority
+        # requests with different salts never share prefix-cache blocks (per-tenant isolation)
+        self.cache_salt = cache_salt
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # ties in priority go to the earlier arrival; the counter breaks exact-time ties
         self.sort_key = (priority, self.arrival_time, next(_arrival_counter))

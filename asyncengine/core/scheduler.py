@@ -173,7 +173,10 @@ class Scheduler:
                 self.finish_request(req, RequestStatus.FINISHED_IGNORED)
                 out.rejected.append(req)
                 continue
-            self.block_manager.allocate(req)
+            num_cached = self.block_manager.allocate(req)
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.insert_sorted(req)
             num_tokens = budget.take(req, reserve=0)
@@ -231,6 +234,7 @@ class Scheduler:
             if req.is_finished:  # aborted while the step ran
                 continue
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            self.block_manager.mark_computed(req, req.num_computed_tokens)
             token_id = sampled_token_ids.get(req.request_id)
             if token_id is None:  # a prefill chunk that did not reach the end of the prompt
                 continue

@@ -99,11 +99,6 @@ def test_allocating_from_an_empty_pool_raises():
         bm.allocate(Seq("b", 1))
 
 
-def test_prefix_caching_is_refused_rather_than_ignored():
-    with pytest.raises(NotImplementedError):
-        BlockSpaceManager(4, 8, 8, enable_caching=True)
-
-
 # -- growth --------------------------------------------------------------------------------------
 
 

@@ -65,6 +65,8 @@ def scheduler_settings(draw: st.DrawFn) -> dict[str, Any]:
         "max_model_len": max_model_len,
         "preemption_mode": draw(st.sampled_from(["auto", "swap", "recompute"])),
         "watermark": draw(st.sampled_from([0.0, 0.1, 0.25])),
+        # the test prompts share their prefixes, so caching finds real hits
+        "enable_caching": draw(st.booleans()),
     }
 
 

@@ -30,6 +30,7 @@ DEFAULTS: dict[str, Any] = {
     "max_model_len": 64,
     "preemption_mode": "auto",
     "watermark": 0.01,  # BlockSpaceManager's default: 0 blocks for pools under 100
+    "enable_caching": False,
 }
 
 Sampler = Callable[[Request], int]
@@ -43,7 +44,11 @@ def create_scheduler(**overrides: Any) -> Scheduler:
     assert not unknown, f"unknown scheduler settings: {sorted(unknown)}"
     c = {**DEFAULTS, **overrides}
     block_manager = BlockSpaceManager(
-        c["block_size"], c["num_gpu_blocks"], c["num_cpu_blocks"], watermark=c["watermark"]
+        c["block_size"],
+        c["num_gpu_blocks"],
+        c["num_cpu_blocks"],
+        watermark=c["watermark"],
+        enable_caching=c["enable_caching"],
     )
     config = SchedulerConfig(
         max_num_seqs=c["max_num_seqs"],
