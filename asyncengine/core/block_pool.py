@@ -72,8 +72,11 @@ class BlockPool:
         """Record that a full block now holds K/V for `token_ids` after the hashed prefix."""
         self.block_hash[block] = content_hash
         self.block_tokens[block] = token_ids
-        # a second copy of the same content (computed concurrently) stays unindexed
-        self.cached.setdefault(content_hash, block)
+        # Of two copies of the same content (computed concurrently, or swapped back in) the
+        # index keeps a held one: an idle copy is the next to be evicted.
+        indexed = self.cached.get(content_hash)
+        if indexed is None or self.ref_counts[indexed] == 0:
+            self.cached[content_hash] = block
 
     def _forget(self, block: int) -> None:
         content_hash = self.block_hash[block]

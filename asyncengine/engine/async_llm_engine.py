@@ -94,6 +94,7 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output after each step; the last has `finished=True`.
 
@@ -105,7 +106,9 @@ class AsyncLLMEngine:
         if request_id in self._collectors:
             raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
         collector = RequestOutputCollector()
-        self.engine.add_request(request_id, prompt, sampling_params, priority)
+        self.engine.add_request(
+            request_id, prompt, sampling_params, priority, cache_salt=cache_salt
+        )
         self._collectors[request_id] = collector
         assert self._has_work is not None
         self._has_work.set()

@@ -43,6 +43,8 @@ class EngineStats:
     num_free_cpu_blocks: int
     num_preemptions_swap: int
     num_preemptions_recompute: int
+    num_prefix_cache_queries: int  # prompt tokens looked up
+    num_prefix_cache_hits: int  # of those, found cached
 
 
 @dataclass
@@ -106,6 +108,7 @@ class LLMEngine:
         sampling_params: SamplingParams,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Validate and queue a request; bad input raises `InvalidRequestError` naming the field."""
         if request_id in self._states:
@@ -123,6 +126,7 @@ class LLMEngine:
             self.eos_token_ids,
             priority,
             arrival_time,
+            cache_salt,
         )
         self.scheduler.add_request(req)
         self._states[request_id] = _RequestState(
@@ -254,6 +258,7 @@ class LLMEngine:
                 first_token_time=req.first_token_time,
                 finished_time=req.finished_time,
                 num_preemptions=req.num_preemptions,
+                num_cached_tokens=req.num_cached_tokens,
             ),
         )
 
@@ -273,6 +278,8 @@ class LLMEngine:
             num_free_cpu_blocks=bm.get_num_free_cpu_blocks(),
             num_preemptions_swap=sched.num_preemptions["swap"],
             num_preemptions_recompute=sched.num_preemptions["recompute"],
+            num_prefix_cache_queries=bm.num_cache_queries,
+            num_prefix_cache_hits=bm.num_cache_hits,
         )
 
 
