@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_SAMPLES = 64
 
 
 @dataclass
@@ -40,7 +41,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(self.n == 1, "n", "must be 1 (parallel sampling is not supported yet)", self.n)
+        _check(1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]", self.n)
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)

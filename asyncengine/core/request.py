@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
@@ -69,6 +70,11 @@ class Request:
         # requests with different salts never share prefix-cache blocks (per-tenant isolation)
         self.cache_salt = cache_salt
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        # parallel sampling (n > 1): samples 1..n-1 are forked from this request once all but
+        # the last prompt token is computed; each then computes that token itself
+        self.group_id = request_id
+        self.sample_index = 0
+        self.num_pending_samples = sampling_params.n - 1
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         # ties in priority go to the earlier arrival; the counter breaks exact-time ties
         self.sort_key = (priority, self.arrival_time, next(_arrival_counter))
@@ -86,6 +92,38 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens to compute before sampling; a parent stops short of its last prompt token
+        until its samples are forked, so each sample samples its own first token."""
+        return self.num_prompt_tokens - 1 if self.num_pending_samples else self.num_tokens
+
+    @property
+    def is_ready_to_fork(self) -> bool:
+        return bool(self.num_pending_samples) and (
+            self.num_computed_tokens == self.num_prompt_tokens - 1
+        )
+
+    def fork_sample(self, index: int) -> Request:
+        """Sample `index` of this request: same prompt and K/V so far, seed `seed + index`."""
+        params = self.sampling_params
+        seed = None if params.seed is None else params.seed + index
+        child = Request(
+            sample_request_id(self.request_id, index),
+            self.prompt_token_ids,
+            dataclasses.replace(params, n=1, seed=seed),
+            self.eos_token_ids,
+            self.priority,
+            self.arrival_time,
+            self.cache_salt,
+        )
+        child.sort_key = self.sort_key
+        child.group_id = self.group_id
+        child.sample_index = index
+        child.num_computed_tokens = self.num_computed_tokens
+        child.first_scheduled_time = self.first_scheduled_time
+        return child
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -107,3 +145,8 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+def sample_request_id(request_id: str, index: int) -> str:
+    """The scheduler's id of sample `index` of a request (sample 0 is the request itself)."""
+    return request_id if index == 0 else f"{request_id}#{index}"

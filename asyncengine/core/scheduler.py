@@ -140,7 +140,7 @@ class Scheduler:
                 out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.swapped and self._has_room(budget):
+        while self.swapped and self._has_room(budget, self.swapped[0]):
             req = self.swapped[0]
             if self.block_manager.can_swap_in(req) is not AllocStatus.OK:
                 if self.running:
@@ -158,7 +158,7 @@ class Scheduler:
             out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.waiting and self._has_room(budget):
+        while self.waiting and self._has_room(budget, self.waiting[0]):
             req = self.waiting[0]
             status = self._can_admit(req)
             if status is AllocStatus.LATER:
@@ -179,11 +179,25 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.insert_sorted(req)
+            if req.is_ready_to_fork:  # a one-token prompt, or all but its last token cached
+                self._fork_samples(req)
             num_tokens = budget.take(req, reserve=0)
             out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
-    def _has_room(self, budget: _Budget) -> bool:
-        return budget.has_room and len(self.running) < self.config.max_num_seqs
+    def _has_room(self, budget: _Budget, req: Request) -> bool:
+        # a request's forked samples will need running slots of their own
+        num_seqs = 1 + req.num_pending_samples
+        return budget.has_room and len(self.running) + num_seqs <= self.config.max_num_seqs
+
+    def _fork_samples(self, parent: Request) -> None:
+        """Start samples 1..n-1 of `parent`, sharing its blocks (copy-on-write)."""
+        for index in range(1, parent.sampling_params.n):
+            child = parent.fork_sample(index)
+            self.block_manager.fork(parent, child)
+            child.status = RequestStatus.RUNNING
+            self.requests[child.request_id] = child
+            self.running.insert_sorted(child)
+        parent.num_pending_samples = 0
 
     def _can_admit(self, req: Request) -> AllocStatus:
         if req.num_tokens > self.config.max_model_len:
@@ -235,6 +249,8 @@ class Scheduler:
                 continue
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
             self.block_manager.mark_computed(req, req.num_computed_tokens)
+            if req.is_ready_to_fork:
+                self._fork_samples(req)
             token_id = sampled_token_ids.get(req.request_id)
             if token_id is None:  # a prefill chunk that did not reach the end of the prompt
                 continue
@@ -278,7 +294,7 @@ class _Budget:
         if self.num_seqs == 0:
             return 0
         available = self.num_tokens - reserve if self.num_tokens > reserve else self.num_tokens
-        num_tokens = min(req.num_tokens - req.num_computed_tokens, available)
+        num_tokens = min(req.num_tokens_to_compute - req.num_computed_tokens, available)
         if num_tokens > 0:
             self.num_tokens -= num_tokens
             self.num_seqs -= 1

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.block_manager import BlockSpaceManager
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import Request, RequestStatus, sample_request_id
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
-from asyncengine.engine.detokenizer import IncrementalDetokenizer, make_decode
+from asyncengine.engine.detokenizer import make_decode
+from asyncengine.engine.output_processor import RequestState
 from asyncengine.errors import DuplicateRequestError, InvalidRequestError
 from asyncengine.logging import get_logger
-from asyncengine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
 
@@ -47,16 +48,6 @@ class EngineStats:
     num_prefix_cache_hits: int  # of those, found cached
 
 
-@dataclass
-class _RequestState:
-    """Engine-side state of a request beyond what the scheduler tracks: its text."""
-
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    logprobs: list[Logprobs] = field(default_factory=list)
-
-
 class LLMEngine:
     """Adds requests, steps them and returns their outputs. Not thread-safe; one caller."""
 
@@ -82,7 +73,7 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         logger.info(
             "engine_started",
             model=model_config.model,
@@ -129,11 +120,8 @@ class LLMEngine:
             cache_salt,
         )
         self.scheduler.add_request(req)
-        self._states[request_id] = _RequestState(
-            prompt=prompt if isinstance(prompt, str) else None,
-            detokenizer=IncrementalDetokenizer(
-                self._decode, prompt_token_ids, sampling_params.skip_special_tokens
-            ),
+        self._states[request_id] = RequestState(
+            req, prompt if isinstance(prompt, str) else None, self._decode
         )
         return req
 
@@ -153,14 +141,16 @@ class LLMEngine:
         return token_ids
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
-        """Abort requests in any state (idempotent); returns their final outputs."""
+        """Abort requests (every sample) in any state; idempotent; returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         for request_id in ids:
-            req = self.scheduler.abort_request(request_id)
             state = self._states.pop(request_id, None)
-            if req is not None and state is not None:
-                outputs.append(self._make_output(req, state))
+            if state is None:
+                continue
+            for index in range(state.parent.sampling_params.n):
+                self.scheduler.abort_request(sample_request_id(request_id, index))
+            outputs.append(state.make_output())
         return outputs
 
     def is_in_flight(self, request_id: str) -> bool:
@@ -197,70 +187,19 @@ class LLMEngine:
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply sampled tokens, detokenize, check stops; return outputs of changed requests."""
-        outputs = []
+        changed: dict[str, RequestState] = {}
         for req in plan.rejected:
-            state = self._states.pop(req.request_id)
-            outputs.append(self._make_output(req, state))
+            changed[req.group_id] = self._states[req.group_id]
         for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
-            state = self._states[req.request_id]
-            if req.request_id in result.logprobs:
-                state.logprobs.append(result.logprobs[req.request_id])
-            self._detokenize(req, state)
-            outputs.append(self._make_output(req, state))
-            if req.is_finished:
-                del self._states[req.request_id]
+            state = self._states[req.group_id]
+            state.on_token(req, result.logprobs.get(req.request_id), self.scheduler.finish_request)
+            changed[req.group_id] = state
+        outputs = []
+        for request_id, state in changed.items():
+            outputs.append(state.make_output())
+            if state.is_finished:
+                del self._states[request_id]
         return outputs
-
-    def _detokenize(self, req: Request, state: _RequestState) -> None:
-        delta = state.detokenizer.decode_next(req.token_ids, is_final=req.is_finished)
-        state.text += delta
-        params = req.sampling_params
-        if not params.stop or req.num_output_tokens < params.min_tokens:
-            return
-        longest = max(len(s) for s in params.stop)
-        start = max(0, len(state.text) - len(delta) - longest + 1)
-        hits = [(i, s) for s in params.stop if (i := state.text.find(s, start)) != -1]
-        if not hits:
-            return
-        index, stop = min(hits)
-        state.text = state.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
-        req.stop_reason = stop
-        if req.is_finished:  # a stop string wins over a finish by length in the same step
-            req.status = RequestStatus.FINISHED_STOPPED
-        else:
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-
-    def _make_output(self, req: Request, state: _RequestState) -> RequestOutput:
-        params = req.sampling_params
-        text = state.text
-        if params.stop and not req.is_finished:
-            # hold back what may be the start of a stop string still being completed
-            hold = max(len(s) for s in params.stop) - 1
-            text = text[: max(0, len(text) - hold)]
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=req.output_token_ids,
-            logprobs=list(state.logprobs) if params.logprobs is not None else None,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=req.is_finished,
-            error=req.error,
-            metrics=RequestMetrics(
-                arrival_time=req.arrival_time,
-                first_scheduled_time=req.first_scheduled_time,
-                first_token_time=req.first_token_time,
-                finished_time=req.finished_time,
-                num_preemptions=req.num_preemptions,
-                num_cached_tokens=req.num_cached_tokens,
-            ),
-        )
 
     # -- introspection -----------------------------------------------------------------------
 

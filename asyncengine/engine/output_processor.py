@@ -1,0 +1,114 @@
+"""Per-request output state: each sample's text (detokenized incrementally), stop strings, and
+the cumulative `RequestOutput` a caller sees."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from asyncengine.core.request import Request, RequestStatus
+from asyncengine.engine.detokenizer import Decode, IncrementalDetokenizer
+from asyncengine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+
+FinishRequest = Callable[[Request, RequestStatus], None]
+
+
+@dataclass
+class _Sample:
+    req: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[Logprobs] = field(default_factory=list)
+
+
+class RequestState:
+    """What the engine keeps of one user request besides the scheduler's: its samples' text.
+
+    A request with `n > 1` is one scheduler request per sample (sample 0 is the request
+    itself, the others are forked from it once its prompt is computed); they all report here.
+    """
+
+    def __init__(self, req: Request, prompt: str | None, decode: Decode) -> None:
+        self.request_id = req.request_id
+        self.prompt = prompt
+        self.decode = decode
+        self.parent = req
+        self.samples: dict[int, _Sample] = {}
+        self.add_sample(req)
+
+    def add_sample(self, req: Request) -> None:
+        skip = req.sampling_params.skip_special_tokens
+        detokenizer = IncrementalDetokenizer(self.decode, req.prompt_token_ids, skip)
+        self.samples[req.sample_index] = _Sample(req, detokenizer)
+
+    @property
+    def is_finished(self) -> bool:
+        # before the fork only sample 0 exists; a parent that ended then has no samples to wait on
+        expected = 1 if self.parent.num_pending_samples else self.parent.sampling_params.n
+        return len(self.samples) == expected and all(
+            s.req.is_finished for s in self.samples.values()
+        )
+
+    def on_token(self, req: Request, logprobs: Logprobs | None, finish: FinishRequest) -> None:
+        """Take a sample's new token: detokenize it and end the sample on a stop string."""
+        if req.sample_index not in self.samples:
+            self.add_sample(req)
+        sample = self.samples[req.sample_index]
+        if logprobs is not None:
+            sample.logprobs.append(logprobs)
+        delta = sample.detokenizer.decode_next(req.token_ids, is_final=req.is_finished)
+        sample.text += delta
+        params = req.sampling_params
+        if not params.stop or req.num_output_tokens < params.min_tokens:
+            return
+        longest = max(len(s) for s in params.stop)
+        start = max(0, len(sample.text) - len(delta) - longest + 1)
+        hits = [(i, s) for s in params.stop if (i := sample.text.find(s, start)) != -1]
+        if not hits:
+            return
+        index, stop = min(hits)
+        sample.text = sample.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
+        req.stop_reason = stop
+        if req.is_finished:  # a stop string wins over a finish by length in the same step
+            req.status = RequestStatus.FINISHED_STOPPED
+        else:
+            finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def make_output(self) -> RequestOutput:
+        parent = self.parent
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=[_completion(self.samples[i]) for i in sorted(self.samples)],
+            finished=self.is_finished,
+            error=parent.error,
+            metrics=RequestMetrics(
+                arrival_time=parent.arrival_time,
+                first_scheduled_time=parent.first_scheduled_time,
+                first_token_time=parent.first_token_time,
+                finished_time=max(
+                    (s.req.finished_time or 0.0 for s in self.samples.values()), default=None
+                )
+                if self.is_finished
+                else None,
+                num_preemptions=sum(s.req.num_preemptions for s in self.samples.values()),
+                num_cached_tokens=parent.num_cached_tokens,
+            ),
+        )
+
+
+def _completion(sample: _Sample) -> CompletionOutput:
+    req, params, text = sample.req, sample.req.sampling_params, sample.text
+    if params.stop and not req.is_finished:
+        # hold back what may be the start of a stop string still being completed
+        hold = max(len(s) for s in params.stop) - 1
+        text = text[: max(0, len(text) - hold)]
+    return CompletionOutput(
+        index=req.sample_index,
+        text=text,
+        token_ids=req.output_token_ids,
+        logprobs=list(sample.logprobs) if params.logprobs is not None else None,
+        finish_reason=req.status.finish_reason,
+        stop_reason=req.stop_reason,
+    )

@@ -1,0 +1,99 @@
+"""n > 1: samples share the prompt's blocks (fork + copy-on-write) and equal separate requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncengine import LLM, AsyncLLMEngine, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = "Once upon a time, in a land far away, there lived a curious fox " * 4
+SEED = 1234
+
+
+def make_llm(model_dir, **overrides) -> LLM:
+    args = {"device": "cpu", "dtype": "float32", "max_num_seqs": 16, "block_size": 16}
+    return LLM(model=str(model_dir("llama")), **{**args, **overrides})
+
+
+def run_counting_blocks(llm: LLM, prompts, params) -> tuple[list, int]:
+    """Generate, stepping by hand; return the outputs and the most device blocks in use."""
+    engine = llm.llm_engine
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    finished, peak = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        stats = engine.get_stats()
+        peak = max(peak, stats.num_gpu_blocks - stats.num_free_gpu_blocks)
+    return [finished[f"r{i}"] for i in range(len(prompts))], peak
+
+
+def test_n_samples_equal_separate_requests_with_derived_seeds_and_use_fewer_blocks(model_dir):
+    n, max_tokens = 4, 40
+    grouped = SamplingParams(n=n, temperature=1.0, seed=SEED, max_tokens=max_tokens)
+    # prefix caching off, so the separate requests cannot share blocks through the cache
+    llm = make_llm(model_dir, enable_prefix_caching=False)
+    [out], peak_grouped = run_counting_blocks(llm, [PROMPT], [grouped])
+    separate = [
+        SamplingParams(temperature=1.0, seed=SEED + i, max_tokens=max_tokens) for i in range(n)
+    ]
+    outs, peak_separate = run_counting_blocks(llm, [PROMPT] * n, separate)
+
+    assert [c.index for c in out.outputs] == list(range(n))
+    assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in outs]
+    assert [c.text for c in out.outputs] == [o.outputs[0].text for o in outs]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # the seeds really differ
+    print(
+        f"\npeak device blocks: n={n} in one request {peak_grouped}, "
+        f"{n} separate requests {peak_separate}"
+    )
+    assert peak_grouped < peak_separate
+    stats = llm.get_stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    llm.llm_engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_greedy_samples_all_match_hf_even_under_preemption(model_dir, hf_greedy, preemption_mode):
+    path = model_dir("llama")
+    llm = make_llm(
+        model_dir,
+        num_gpu_blocks_override=24,
+        num_cpu_blocks_override=64,
+        preemption_mode=preemption_mode,
+    )
+    prompts = [PROMPT, "양자역학 설명해줄래?", "hi"]
+    params = SamplingParams(n=3, temperature=0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
+        expected = hf_greedy(path, out.prompt_token_ids, 32)
+        assert [c.token_ids for c in out.outputs] == [expected] * 3
+    stats = llm.get_stats()
+    assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+def test_aborting_a_parallel_request_frees_every_sample(model_dir):
+    engine = AsyncLLMEngine(make_llm(model_dir).llm_engine)
+    params = SamplingParams(n=4, temperature=1.0, seed=SEED, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        stream = engine.generate(PROMPT, params, request_id="group")
+        out = await stream.__anext__()
+        while len(out.outputs) < 4:
+            out = await stream.__anext__()
+        assert engine.get_stats().num_running == 4
+        await stream.aclose()  # the caller leaves: every sample is aborted
+        stats = engine.get_stats()
+        assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
+        assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+        await engine.shutdown()
+
+    asyncio.run(main())
