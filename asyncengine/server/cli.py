@@ -9,6 +9,27 @@ from typing import Any
 
 from asyncengine.config import EngineArgs
 from asyncengine.logging import configure_logging
+from asyncengine.server.options import add_serve_args
+
+# what each EngineArgs field does, for --help (defaults are printed from EngineArgs itself)
+ENGINE_ARG_HELP = {
+    "model": "local Hugging Face model directory (or hub id where a network exists)",
+    "tokenizer": "tokenizer directory when it differs from --model",
+    "dtype": "weights and KV cache dtype: auto, float32, float16, bfloat16 (auto: float32 on CPU)",
+    "device": "auto, cuda or cpu",
+    "seed": "seed of the engine's random state, for requests without a seed of their own",
+    "block_size": "tokens per KV cache block: a power of two in [8, 1024]",
+    "gpu_memory_utilization": "fraction of device memory the model and KV cache may use",
+    "swap_space": "GiB of CPU memory for swapped-out KV blocks",
+    "num_gpu_blocks_override": "use exactly this many device KV blocks instead of profiling",
+    "num_cpu_blocks_override": "use exactly this many CPU swap blocks",
+    "max_num_seqs": "most requests running in one step",
+    "max_num_batched_tokens": "token budget of one step (default: max(2048, max_num_seqs))",
+    "max_model_len": "context length (default: the model's max_position_embeddings)",
+    "preemption_mode": "auto, swap or recompute: what happens to a preempted request's KV",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "attention_backend": "auto, torch or triton",
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -16,11 +37,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         default = None if f.default is dataclasses.MISSING else f.default
+        text = ENGINE_ARG_HELP.get(f.name, f.name)
+        text += "" if "default" in text else " (default: %(default)s)"
         if f.type in ("bool", bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=text
+            )
             continue
         kind: Any = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-        parser.add_argument(flag, type=kind, default=default, required=f.name == "model")
+        parser.add_argument(flag, type=kind, default=default, required=f.name == "model", help=text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -43,9 +68,20 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _serve(ns: argparse.Namespace) -> int:
+    from asyncengine.server.app import run
+    from asyncengine.server.options import serve_options_from
+
+    return run(engine_args_from(ns), serve_options_from(ns))
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncengine", description=__doc__)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline for a few prompts and print them")
     add_engine_args(gen)
@@ -53,11 +89,25 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
+    serve = sub.add_parser(
+        "serve",
+        help="serve the model over gRPC (Generation, Control, health, reflection)",
+        description="Serve the model over gRPC until SIGTERM/SIGINT, which drains in-flight "
+        "requests and exits 0; exits non-zero if the engine dies. Logs are JSON lines on "
+        "stderr, one per finished request at INFO.",
+    )
+    add_serve_args(serve)
+    add_engine_args(serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns = parser.parse_args(argv)
-    configure_logging(ns.log_level)
+    configure_logging(ns.log_level or ("INFO" if ns.command == "serve" else "WARNING"))
     try:
-        return _generate(ns)
-    except ValueError as exc:
+        return _serve(ns) if ns.command == "serve" else _generate(ns)
+    except (ValueError, OSError) as exc:
         parser.exit(2, f"asyncengine: error: {exc}\n")
 
 

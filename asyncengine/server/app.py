@@ -1,0 +1,220 @@
+"""Build and run the gRPC server: options, TLS, auth, health, reflection, signals, engine watch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from asyncengine.config import EngineArgs
+from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+from asyncengine.logging import get_logger
+from asyncengine.server.auth import BearerTokenInterceptor
+from asyncengine.server.convert import FinishReason
+from asyncengine.server.options import ServeOptions, check_options
+from asyncengine.server.servicer_control import ControlServicer
+from asyncengine.server.servicer_generation import GenerationServicer
+from asyncengine.server.state import SERVICE_NAMES, ServerState
+from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
+
+logger = get_logger(__name__)
+
+# Test-only: makes the Nth engine step (and every later one) raise, to exercise the path where
+# the engine dies under load. Never set it in production.
+FAULT_ENV = "ASYNCENGINE_FAULT_AFTER_STEPS"
+# how often the engine's liveness is checked, and how long streams get to receive their error
+_WATCH_INTERVAL_S = 0.1
+_STOP_GRACE_S = 2.0
+
+
+def grpc_options(options: ServeOptions) -> list[tuple[str, Any]]:
+    """Channel arguments; the reason for each is in `asyncengine serve --help`."""
+    ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+    return [
+        ("grpc.max_receive_message_length", options.max_message_size),
+        ("grpc.max_send_message_length", options.max_message_size),
+        ("grpc.keepalive_time_ms", ms(options.keepalive_time)),
+        ("grpc.keepalive_timeout_ms", ms(options.keepalive_timeout)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # the real key of GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS
+        ("grpc.http2.min_ping_interval_without_data_ms", ms(options.min_client_ping_interval)),
+        # 0: pings arriving early are never counted against the client
+        ("grpc.http2.max_ping_strikes", 0),
+        # fail to start instead of silently sharing the port with another server
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def server_credentials(options: ServeOptions) -> grpc.ServerCredentials | None:
+    """TLS credentials, mutual when a client CA is given; None for plaintext."""
+    if not options.tls_cert or not options.tls_key:
+        return None
+    key, cert = Path(options.tls_key).read_bytes(), Path(options.tls_cert).read_bytes()
+    client_ca = Path(options.tls_client_ca).read_bytes() if options.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def build_server(state: ServerState) -> tuple[grpc.aio.Server, int]:
+    """The grpc.aio server with every service added and its port bound (not started)."""
+    options = state.options
+    interceptors = []
+    if options.auth_tokens or options.control_auth_tokens:
+        interceptors.append(
+            BearerTokenInterceptor(options.auth_tokens, options.control_auth_tokens)
+        )
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=grpc_options(options),
+        maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+    )
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
+    control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(state), server)
+    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
+    if options.reflection:
+        names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, server)
+    host = f"[{options.host}]" if ":" in options.host else options.host
+    address = f"{host}:{options.port}"
+    credentials = server_credentials(options)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
+    if not port:
+        raise OSError(f"could not listen on {address}")
+    return server, port
+
+
+async def start(
+    engine: AsyncLLMEngine, options: ServeOptions
+) -> tuple[grpc.aio.Server, ServerState, int]:
+    """Start serving `engine` (health SERVING once the port is open); returns the bound port."""
+    state = ServerState(engine, options, health.aio.HealthServicer())
+    await state.set_serving(False)
+    server, port = build_server(state)
+    await server.start()
+    await state.set_serving(True)
+    logger.info(
+        "serving", host=options.host, port=port, tls=bool(options.tls_cert),
+        mtls=bool(options.tls_client_ca), auth=bool(options.auth_tokens),
+    )  # fmt: skip
+    return server, state, port
+
+
+async def stop(server: grpc.aio.Server, state: ServerState) -> int:
+    """Drain (unless the engine is dead), stop the server and the engine; the exit code."""
+    engine = state.engine
+    if not engine.errored:
+        await state.drain(state.options.drain_grace_period)
+    else:
+        logger.error("engine_dead_shutting_down", in_flight=len(state.flights))
+    await state.health.enter_graceful_shutdown()
+    await server.stop(_STOP_GRACE_S)
+    exit_code = 1 if engine.errored else 0
+    await engine.shutdown()
+    logger.info("server_stopped", exit_code=exit_code)
+    return exit_code
+
+
+async def serve(engine: AsyncLLMEngine, options: ServeOptions) -> int:
+    """Serve until SIGTERM/SIGINT (drain, then 0) or until the engine dies (1)."""
+    server, state, _ = await start(engine, options)
+    stop_requested = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, _on_signal, state, stop_requested, signum)
+    waiters = [
+        asyncio.create_task(stop_requested.wait()),
+        asyncio.create_task(_engine_death(engine)),
+    ]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for waiter in waiters:
+        waiter.cancel()
+    return await stop(server, state)
+
+
+def _on_signal(state: ServerState, stop: asyncio.Event, signum: int) -> None:
+    if stop.is_set():  # a second signal: stop waiting for the grace period
+        logger.warning("second_signal_aborting_all", signal=signal.Signals(signum).name)
+        state.abort(list(state.flights), FinishReason.ABORTED_BY_SERVER)
+        return
+    logger.info("shutdown_requested", signal=signal.Signals(signum).name)
+    stop.set()
+
+
+async def _engine_death(engine: AsyncLLMEngine) -> None:
+    while not engine.errored:
+        await asyncio.sleep(_WATCH_INTERVAL_S)
+
+
+def install_fault_hook(engine: AsyncLLMEngine) -> None:
+    """Test-only: with ASYNCENGINE_FAULT_AFTER_STEPS=N the Nth step raises (the engine dies)."""
+    value = os.environ.get(FAULT_ENV)
+    if not value:
+        return
+    fault_at, num_steps = int(value), 0
+    execute = engine.engine.execute
+
+    def failing_execute(plan: Any) -> Any:
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps >= fault_at:
+            raise RuntimeError(f"injected fault: {FAULT_ENV}={fault_at}")
+        return execute(plan)
+
+    engine.engine.execute = failing_execute  # type: ignore[method-assign]
+    logger.warning("fault_hook_installed", fault_after_steps=fault_at)
+
+
+def json_stdlib_logs() -> None:
+    """Render records of stdlib `logging` users (grpc, asyncio) as JSON lines too."""
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[
+            structlog.stdlib.add_log_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+        ],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+    )
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(formatter)
+
+
+def run(engine_args: EngineArgs, options: ServeOptions) -> int:
+    """Load the engine, serve on uvloop, and return the process exit code."""
+    check_options(options)
+    if not sys.stderr.isatty():  # the same test configure_logging uses for JSON
+        json_stdlib_logs()
+    if options.torch_threads:
+        import torch
+
+        torch.set_num_threads(options.torch_threads)
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    install_fault_hook(engine)
+    try:
+        import uvloop
+    except ImportError:  # Windows
+        exit_code = asyncio.run(serve(engine, options))
+    else:
+        exit_code = uvloop.run(serve(engine, options))
+    if exit_code != 0:
+        # a hung step would keep the worker thread, and so the process, alive: exit for sure
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
+    return exit_code

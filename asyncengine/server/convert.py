@@ -1,0 +1,208 @@
+"""Translation between the .proto messages and the engine's types (no gRPC calls here)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from typing import Any
+
+from asyncengine.engine.llm_engine import EngineStats
+from asyncengine.outputs import Logprobs, RequestOutput
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.server.errors import InvalidFieldError
+from asyncengine.v1 import control_pb2, generation_pb2
+
+FinishReason = generation_pb2.FinishReason
+Phase = generation_pb2.Heartbeat.Phase
+
+# SamplingParams field -> the request field it comes from, for errors that name the field
+_PROTO_FIELDS = {
+    "n": "sampling.n",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "min_p": "sampling.min_p",
+    "seed": "sampling.seed",
+    "repetition_penalty": "sampling.repetition_penalty",
+    "presence_penalty": "sampling.presence_penalty",
+    "frequency_penalty": "sampling.frequency_penalty",
+    "max_tokens": "stopping.max_new_tokens",
+    "min_tokens": "stopping.min_new_tokens",
+    "stop": "stopping.stop",
+    "stop_token_ids": "stopping.stop_token_ids",
+    "ignore_eos": "stopping.ignore_eos",
+    "include_stop_str_in_output": "stopping.include_stop_string",
+    "logprobs": "response.logprobs",
+    "skip_special_tokens": "response.skip_special_tokens",
+}
+_PARAM_ERROR = re.compile(r"^SamplingParams\.(\w+) (.*)$", re.DOTALL)
+_PHASES: dict[str, generation_pb2.Heartbeat.Phase] = {
+    "queued": Phase.QUEUED,
+    "prefill": Phase.PREFILL,
+    "decode": Phase.DECODE,
+    "preempted": Phase.PREEMPTED,
+}
+
+
+def prompt_of(request: Any, prefix: str = "") -> tuple[str | list[int], str]:
+    """The prompt of a GenerateRequest or Prompt (text or token ids) and its field name."""
+    kind = request.WhichOneof("prompt" if hasattr(request, "request_id") else "kind")
+    if kind == "text":
+        return request.text, prefix + "text"
+    if kind == "token_ids":
+        return list(request.token_ids.ids), prefix + "token_ids"
+    raise InvalidFieldError(prefix + "text", "a prompt (text or token_ids) is required")
+
+
+def sampling_params(
+    sampling: generation_pb2.SamplingOptions,
+    stopping: generation_pb2.StoppingOptions,
+    response: generation_pb2.ResponseOptions,
+) -> SamplingParams:
+    """Build and validate SamplingParams; picks a seed for random sampling when none is given.
+
+    A bad value raises `InvalidFieldError` naming the request field (`sampling.top_p`, ...).
+    """
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    seed = sampling.seed if sampling.HasField("seed") else None
+    if seed is None and temperature > 0:
+        seed = secrets.randbits(63)  # reported in Accepted so the client can replay it
+    kwargs: dict[str, Any] = {
+        "n": sampling.n or 1,
+        "temperature": temperature,
+        "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "seed": seed,
+        "repetition_penalty": (
+            sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
+        ),
+        "presence_penalty": sampling.presence_penalty,
+        "frequency_penalty": sampling.frequency_penalty,
+        "max_tokens": stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
+        "min_tokens": stopping.min_new_tokens,
+        "stop": list(stopping.stop),
+        "stop_token_ids": list(stopping.stop_token_ids),
+        "ignore_eos": stopping.ignore_eos,
+        "include_stop_str_in_output": stopping.include_stop_string,
+        "logprobs": response.logprobs if response.HasField("logprobs") else None,
+        "skip_special_tokens": (
+            response.skip_special_tokens if response.HasField("skip_special_tokens") else True
+        ),
+    }
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        match = _PARAM_ERROR.match(str(exc))
+        if match is None:
+            raise
+        name, rule = match.groups()
+        raise InvalidFieldError(_PROTO_FIELDS.get(name, name), rule) from exc
+
+
+def finish_reason(
+    out: RequestOutput, abort_reason: int | None, max_model_len: int
+) -> tuple[int, str, int | None]:
+    """(FinishReason, matched stop string, matched stop token id) of a finished output."""
+    completion = out.outputs[0]
+    reason, stop = completion.finish_reason, completion.stop_reason
+    if reason == "abort":
+        return abort_reason or FinishReason.ABORTED_BY_SERVER, "", None
+    if reason == "length":
+        num_tokens = len(out.prompt_token_ids) + len(completion.token_ids)
+        full = num_tokens >= max_model_len
+        return (FinishReason.CONTEXT_LIMIT if full else FinishReason.LENGTH), "", None
+    if isinstance(stop, str):
+        return FinishReason.STOP_STRING, stop, None
+    if isinstance(stop, int):
+        return FinishReason.STOP_TOKEN, "", stop
+    last = completion.token_ids[-1] if completion.token_ids else None
+    return FinishReason.EOS, "", last
+
+
+def usage(out: RequestOutput, sequence_number: int = 0) -> generation_pb2.Usage:
+    """Token counts and timings of a request from its last output."""
+    metrics = out.metrics
+    msg = generation_pb2.Usage(
+        prompt_tokens=len(out.prompt_token_ids),
+        completion_tokens=len(out.outputs[0].token_ids),
+        sequence_number=sequence_number,
+    )
+    if metrics is None:
+        return msg
+    msg.cached_tokens = metrics.num_cached_tokens
+    msg.preemptions = metrics.num_preemptions
+    end = metrics.finished_time
+    if metrics.first_scheduled_time is not None:
+        msg.queue_time_s = metrics.first_scheduled_time - metrics.arrival_time
+    if metrics.first_token_time is not None:
+        msg.time_to_first_token_s = metrics.first_token_time - metrics.arrival_time
+        if end is not None:
+            msg.decode_time_s = end - metrics.first_token_time
+    return msg
+
+
+def logprobs(
+    entries: list[Logprobs], token_ids: list[int], num_top: int, tokenizer: Any
+) -> list[generation_pb2.TokenLogprobs]:
+    """One TokenLogprobs per position: the sampled token's logprob and the top `num_top`."""
+    result = []
+    for token_id, entry in zip(token_ids, entries):
+        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+        ids = [token_id] + [t for t, _ in ranked]
+        names = tokenizer.convert_ids_to_tokens(ids)
+        top = [
+            generation_pb2.TokenLogprob(token_id=t, logprob=lp, token=name)
+            for (t, lp), name in zip(ranked, names[1:])
+        ]
+        sampled = generation_pb2.TokenLogprob(
+            token_id=token_id, logprob=entry.get(token_id, float("nan")), token=names[0]
+        )
+        result.append(generation_pb2.TokenLogprobs(sampled=sampled, top=top))
+    return result
+
+
+def generate_result(
+    final: RequestOutput,
+    finished: generation_pb2.Finished,
+    options: generation_pb2.ResponseOptions,
+    tokenizer: Any,
+) -> generation_pb2.GenerateResult:
+    """One prompt's result of a unary Generate, from its final output."""
+    completion = final.outputs[0]
+    result = generation_pb2.GenerateResult(
+        request_id=final.request_id,
+        text=completion.text,
+        finish_reason=finished.reason,
+        stop_string=finished.stop_string,
+        usage=usage(final),
+    )
+    if finished.HasField("stop_token_id"):
+        result.stop_token_id = finished.stop_token_id
+    if options.return_token_ids:
+        result.token_ids.extend(completion.token_ids)
+    if options.HasField("logprobs") and completion.logprobs is not None:
+        result.logprobs.extend(
+            logprobs(completion.logprobs, completion.token_ids, options.logprobs, tokenizer)
+        )
+    return result
+
+
+def phase(name: str | None) -> generation_pb2.Heartbeat.Phase:
+    return _PHASES.get(name or "", Phase.PHASE_UNSPECIFIED)
+
+
+def load_report(stats: EngineStats) -> control_pb2.LoadReport:
+    return control_pb2.LoadReport(
+        running=stats.num_running,
+        waiting=stats.num_waiting,
+        swapped=stats.num_swapped,
+        gpu_blocks_total=stats.num_gpu_blocks,
+        gpu_blocks_free=stats.num_free_gpu_blocks,
+        cpu_blocks_total=stats.num_cpu_blocks,
+        cpu_blocks_free=stats.num_free_cpu_blocks,
+        block_usage_ratio=stats.gpu_block_usage,
+        cpu_block_usage_ratio=stats.cpu_block_usage,
+        preemptions_swap=stats.num_preemptions_swap,
+        preemptions_recompute=stats.num_preemptions_recompute,
+    )

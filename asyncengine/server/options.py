@@ -1,0 +1,158 @@
+"""The server's own options (the engine's are EngineArgs), each with why it has its default."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `asyncengine serve` listens, admits, authenticates and shuts down."""
+
+    host: str = "0.0.0.0"
+    port: int = 50051
+    served_model_name: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    auth_tokens: tuple[str, ...] = ()
+    control_auth_tokens: tuple[str, ...] = ()
+    max_message_size: int = 64 * MiB
+    max_queued_requests: int = 1024
+    max_concurrent_rpcs: int | None = None
+    retry_after: float = 1.0
+    heartbeat_interval: float = 5.0
+    drain_grace_period: float = 30.0
+    keepalive_time: float = 30.0
+    keepalive_timeout: float = 10.0
+    min_client_ping_interval: float = 10.0
+    reflection: bool = True
+    torch_threads: int | None = None
+
+
+# flag -> (type, help); defaults come from ServeOptions so they are stated once
+_FLAGS: dict[str, tuple[type, str]] = {
+    "host": (str, "address to listen on"),
+    "port": (int, "port to listen on (0 picks a free one; the log line 'serving' says which)"),
+    "served_model_name": (str, "model name reported by GetModelInfo (default: the model path)"),
+    "tls_cert": (str, "PEM server certificate: serve TLS instead of plaintext (needs --tls-key)"),
+    "tls_key": (str, "PEM private key of --tls-cert"),
+    "tls_client_ca": (
+        str,
+        "PEM CA bundle: require and verify client certificates (mutual TLS; needs --tls-cert)",
+    ),
+    "max_message_size": (
+        int,
+        "max bytes of one request or response message; well above gRPC's 4 MiB so long "
+        "prompts as token ids and batched Generate calls fit",
+    ),
+    "max_queued_requests": (
+        int,
+        "requests admitted beyond a full running batch (--max-num-seqs); past that calls get "
+        "RESOURCE_EXHAUSTED with a retry delay instead of an unbounded queue",
+    ),
+    "max_concurrent_rpcs": (
+        int,
+        "hard cap on concurrent RPCs of any kind, enforced by gRPC itself (RESOURCE_EXHAUSTED "
+        "without details); a backstop behind the admission limit (default: no cap)",
+    ),
+    "retry_after": (float, "seconds suggested to clients (RetryInfo) when admission is refused"),
+    "heartbeat_interval": (
+        float,
+        "seconds without a token before a stream gets a Heartbeat (queued, long prefill, "
+        "preempted), so proxies with idle timeouts keep silent streams open",
+    ),
+    "drain_grace_period": (
+        float,
+        "seconds in-flight requests get to finish on SIGTERM/SIGINT or Drain before they are "
+        "aborted (Finished ABORTED_BY_SERVER)",
+    ),
+    "keepalive_time": (
+        float,
+        "seconds between server keepalive pings: finds dead clients of long silent streams",
+    ),
+    "keepalive_timeout": (float, "seconds to wait for a keepalive ping's ack before closing"),
+    "min_client_ping_interval": (
+        float,
+        "shortest interval of client pings the server accepts (without ping strikes), so "
+        "clients keeping long generations alive are never cut off for 'too many pings'",
+    ),
+    "torch_threads": (
+        int,
+        "torch intra-op threads (default: torch's choice); 1 is fastest for tiny models on "
+        "busy CPUs",
+    ),
+}
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServeOptions field (auth tokens may repeat)."""
+    defaults = ServeOptions()
+    for name, (kind, text) in _FLAGS.items():
+        default = getattr(defaults, name)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            default=default,
+            help=text if "default" in text else text + " (default: %(default)s)",
+        )
+    parser.add_argument(
+        "--auth-token",
+        action="append",
+        default=None,
+        help="bearer token accepted on every service but health (repeat for several; also "
+        "ASYNCENGINE_AUTH_TOKENS, comma-separated, so tokens stay out of `ps`; default: no auth)",
+    )
+    parser.add_argument(
+        "--control-auth-token",
+        action="append",
+        default=None,
+        help="bearer token(s) the Control service requires instead of --auth-token (also "
+        "ASYNCENGINE_CONTROL_AUTH_TOKENS; default: Control takes --auth-token)",
+    )
+    parser.add_argument(
+        "--reflection",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.reflection,
+        help="serve gRPC server reflection, for grpcurl and gateways (default: %(default)s)",
+    )
+
+
+def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
+    """ServeOptions from parsed flags (and the token environment variables)."""
+    values = {name: getattr(ns, name) for name in _FLAGS}
+    return ServeOptions(
+        **values,
+        auth_tokens=_tokens(ns.auth_token, "ASYNCENGINE_AUTH_TOKENS"),
+        control_auth_tokens=_tokens(ns.control_auth_token, "ASYNCENGINE_CONTROL_AUTH_TOKENS"),
+        reflection=ns.reflection,
+    )
+
+
+def _tokens(flag_values: list[str] | None, env_name: str) -> tuple[str, ...]:
+    from_env = [t.strip() for t in os.environ.get(env_name, "").split(",")]
+    return tuple(t for t in [*(flag_values or []), *from_env] if t)
+
+
+def check_options(options: ServeOptions) -> None:
+    """Reject inconsistent options before anything starts (ValueError naming the flag)."""
+    if bool(options.tls_cert) != bool(options.tls_key):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    if options.tls_client_ca and not options.tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    for name in ("heartbeat_interval", "drain_grace_period", "keepalive_time", "retry_after"):
+        if getattr(options, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    for flag, path in [
+        ("--tls-cert", options.tls_cert),
+        ("--tls-key", options.tls_key),
+        ("--tls-client-ca", options.tls_client_ca),
+    ]:
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path!r} is not a readable file")
+    if options.max_queued_requests < 0:
+        raise ValueError("--max-queued-requests must be >= 0")

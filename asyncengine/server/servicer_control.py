@@ -1,0 +1,74 @@
+"""The Control service: abort requests, describe the model and the server, watch load, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+import asyncengine
+from asyncengine.server import convert
+from asyncengine.server.convert import FinishReason
+from asyncengine.server.state import ServerState
+from asyncengine.v1 import control_pb2 as pb
+from asyncengine.v1 import control_pb2_grpc
+
+# WatchLoad intervals below this are raised to it: load figures change once per step anyway
+_MIN_WATCH_INTERVAL_S = 0.05
+
+
+class ControlServicer(control_pb2_grpc.ControlServicer):
+    """Management calls over the shared server state."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
+        aborted = self._state.abort(request.request_ids, FinishReason.CANCELLED)
+        return pb.AbortResponse(aborted_ids=aborted)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        llm = self._state.engine.engine
+        config = llm.config
+        bos_token_id = llm.tokenizer.bos_token_id
+        return pb.ModelInfo(
+            model_name=self._state.options.served_model_name or config.model_config.model,
+            architecture=config.model_config.architecture,
+            max_context_length=config.model_config.max_model_len,
+            vocab_size=llm.vocab_size,
+            eos_token_ids=list(llm.eos_token_ids),
+            bos_token_id=bos_token_id if isinstance(bos_token_id, int) else None,
+            block_size=config.cache_config.block_size,
+            dtype=config.model_config.dtype,
+            device=config.device_config.device,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            max_queued_requests=self._state.options.max_queued_requests,
+        )
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        return pb.ServerInfo(
+            version=asyncengine.__version__,
+            load=convert.load_report(self._state.engine.get_stats()),
+            uptime_s=time.monotonic() - self._state.started_at,
+            draining=self._state.is_draining,
+        )
+
+    async def WatchLoad(
+        self, request: pb.WatchLoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LoadReport]:
+        interval_s = max(_MIN_WATCH_INTERVAL_S, (request.interval_ms or 1000) / 1000)
+        while True:
+            yield convert.load_report(self._state.engine.get_stats())
+            await asyncio.sleep(interval_s)
+
+    async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> Any:
+        grace_s = request.grace_period_ms / 1000 or self._state.options.drain_grace_period
+        return pb.DrainResponse(aborted=await self._state.drain(grace_s))

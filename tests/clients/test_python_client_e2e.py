@@ -1,0 +1,143 @@
+"""The Python client against a real `asyncengine serve` on the tiny random llama (CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from asyncengine_client import (
+    Accepted,
+    AsyncClient,
+    AuthError,
+    Client,
+    Delta,
+    Finished,
+    FinishReason,
+    InvalidRequestError,
+    UnavailableError,
+    Usage,
+)
+
+ModelDirFactory = Callable[..., Path]  # the `model_dir` fixture of tests/conftest.py
+TOKEN = "e2e-token"
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def target(model_dir: ModelDirFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`host:port` of an `asyncengine serve --auth-token` on the tiny llama, stopped afterwards."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("python-client") / "serve.log"
+    command = [
+        sys.executable, "-m", "asyncengine.server.cli", "serve",
+        "--model", str(model_dir("llama")), "--host", "127.0.0.1", "--port", str(port),
+        "--device", "cpu", "--torch-threads", "1", "--auth-token", TOKEN,
+        "--num-gpu-blocks-override", "256", "--num-cpu-blocks-override", "64",
+    ]  # fmt: skip
+    with log.open("wb") as log_file:
+        server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    target = f"127.0.0.1:{port}"
+    try:
+        with Client(target) as client:  # health needs no token
+            deadline = time.monotonic() + 60
+            while server.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(UnavailableError):  # not listening yet
+                    if client.health(timeout=1) == "SERVING":
+                        break
+                time.sleep(0.1)
+            else:
+                pytest.fail(f"asyncengine serve did not come up:\n{log.read_text()}")
+        yield target
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def test_stream_deltas_join_to_the_unary_text(target: str) -> None:
+    async def run() -> tuple[list, list]:
+        async with AsyncClient(target, token=TOKEN) as client:
+            options = {"max_new_tokens": 12, "return_token_ids": True, **GREEDY}
+            events = [e async for e in client.generate_stream("Explain AI simply", **options)]
+            return events, await client.generate(["Explain AI simply"], **options)
+
+    events, (completion,) = asyncio.run(run())
+    assert isinstance(events[0], Accepted) and events[0].request_id
+    assert isinstance(events[-1], Usage) and events[-1].completion_tokens == 12
+    (finished,) = [e for e in events if isinstance(e, Finished)]
+    assert finished.reason is FinishReason.LENGTH is completion.finish_reason
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert "".join(d.text for d in deltas) == completion.text
+    assert [i for d in deltas for i in d.token_ids] == completion.token_ids
+    assert len(completion.token_ids) == 12
+
+
+def test_unary_batch_in_prompt_order(target: str) -> None:
+    prompts = ["a", "a b c d e f g h", "양자역학 설명해줄래?", "a b c"]
+    with Client(target, token=TOKEN) as client:
+        counts = [r.token_count for r in client.tokenize(prompts)]
+        completions = client.generate(prompts, max_new_tokens=4, **GREEDY)
+        alone = client.generate([prompts[2]], max_new_tokens=4, **GREEDY)
+    assert len(set(counts)) == len(prompts)  # distinct lengths make the order visible
+    assert [c.usage.prompt_tokens for c in completions] == counts
+    assert completions[2].text == alone[0].text
+
+
+def test_korean_tokenize_detokenize_round_trip(target: str) -> None:
+    text = "양자역학 설명해줄래? 한국어 텍스트"
+    with Client(target, token=TOKEN) as client:
+        (tokenized,) = client.tokenize([text], add_special_tokens=False, return_offsets=True)
+        assert client.detokenize([tokenized.token_ids]) == [text]
+    assert len(tokenized.offsets) == tokenized.token_count == len(tokenized.token_ids)
+
+
+def test_abort_ends_the_stream_cancelled(target: str) -> None:
+    with Client(target, token=TOKEN) as client:
+        events = []
+        stream = client.generate_stream("hi", request_id="to-abort", max_new_tokens=1000, **GREEDY)
+        for event in stream:
+            events.append(event)
+            if isinstance(event, Delta) and event.completion_tokens == 2:
+                assert client.abort(["to-abort", "unknown"]) == ["to-abort"]
+    assert isinstance(events[-2], Finished) and events[-2].reason is FinishReason.CANCELLED
+    assert isinstance(events[-1], Usage) and events[-1].completion_tokens < 1000
+
+
+def test_errors_are_typed(target: str) -> None:
+    with Client(target) as client, pytest.raises(AuthError):
+        client.model_info()
+    with Client(target, token=TOKEN) as client:
+        assert client.model_info().max_context_length > 0
+        with pytest.raises(InvalidRequestError) as caught:
+            client.generate(["hi"], temperature=-1.0)
+    assert caught.value.field == "sampling.temperature"
+
+
+def test_cli_generate_stream(target: str) -> None:
+    command = [
+        sys.executable, "-m", "asyncengine_client.cli", "generate", "Explain AI simply",
+        "--stream", "--max-new-tokens", "6", "--temperature", "0", "--ignore-eos",
+        "--target", target, "--token", TOKEN,
+    ]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    with Client(target, token=TOKEN) as client:
+        (completion,) = client.generate(["Explain AI simply"], max_new_tokens=6, **GREEDY)
+    assert out.stdout == completion.text + "\n"
+    assert "[length]" in out.stderr and "completion 6 tokens" in out.stderr

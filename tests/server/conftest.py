@@ -1,0 +1,66 @@
+"""Fixtures: real `asyncengine serve` subprocesses on loopback, and in-process servers.
+
+Starting a server process is almost all import time, so every subprocess server the tests need
+is launched at once on first use and shared by the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from .utils import ServerProcess
+
+MAX_MODEL_LEN = 1024
+FAULT_AFTER_STEPS = 150
+# name -> (flags, environment)
+MAIN_FLAGS = (
+    "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--max-queued-requests", "128",
+    "--heartbeat-interval", "0.05", "--drain-grace-period", "1.0",
+    "--num-gpu-blocks-override", "2048", "--num-cpu-blocks-override", "64",
+)  # fmt: skip
+FAULT_FLAGS = (
+    "--max-num-seqs", "1", "--num-gpu-blocks-override", "256", "--num-cpu-blocks-override", "8",
+)  # fmt: skip
+# name -> (flags, environment)
+SERVER_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "main": (MAIN_FLAGS, {}),
+    # the test-only fault hook: the engine's 150th step raises
+    "fault": (FAULT_FLAGS, {"ASYNCENGINE_FAULT_AFTER_STEPS": str(FAULT_AFTER_STEPS)}),
+}
+
+
+class ServerPool:
+    """`pool[name]` is the SERVING server of SERVER_SPECS[name]; all start on the first use."""
+
+    def __init__(self, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._model_dir = model_dir
+        self._tmp = tmp_path_factory
+        self.servers: dict[str, ServerProcess] = {}
+
+    def __getitem__(self, name: str) -> ServerProcess:
+        if not self.servers:
+            for spec_name, (flags, env) in SERVER_SPECS.items():
+                log_path = self._tmp.mktemp(f"server-{spec_name}") / "server.log"
+                self.servers[spec_name] = ServerProcess(self._model_dir, log_path, *flags, env=env)
+        server = self.servers[name]
+        server.wait_serving()
+        return server
+
+
+@pytest.fixture(scope="session")
+def server_pool(
+    model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerPool]:
+    """The shared subprocess servers; one still up at the end must exit 0 on SIGTERM."""
+    pool = ServerPool(model_dir("llama"), tmp_path_factory)
+    yield pool
+    failures = []
+    for name, server in pool.servers.items():
+        was_running = server.proc.poll() is None
+        code = server.stop()
+        if was_running and code != 0:
+            failures.append(f"{name}: exit code {code}:\n{server.log()[-4000:]}")
+    assert not failures, failures

@@ -1,0 +1,60 @@
+"""An engine fault turns health NOT_SERVING, fails the open streams and exits non-zero.
+
+(SIGTERM, which drains and exits 0, is the last test of test_generation.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from .utils import (
+    NOT_SERVING,
+    SERVING,
+    detail,
+    events,
+    greedy_request,
+    read_rest,
+    read_until,
+    stubs,
+)
+
+
+def test_engine_fault_turns_health_not_serving_and_exits_non_zero(server_pool: Any) -> None:
+    server = server_pool["fault"]  # ASYNCENGINE_FAULT_AFTER_STEPS=150, max-num-seqs 1
+
+    async def main() -> tuple[Any, ...]:
+        async with server.aio_channel() as channel:
+            generation, _ = stubs(channel)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == SERVING
+            # the second request waits behind the first: it has no output when the fault hits
+            running = generation.GenerateStream(greedy_request([5, 6], None), timeout=60)
+            head = await read_until(running, "delta")
+            queued = generation.GenerateStream(greedy_request([5, 7], None), timeout=60)
+            queued_head = await read_until(queued, "accepted")
+            errors = []
+            for call in (running, queued):
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await read_rest(call)
+                errors.append(failed.value)
+            status = (await watch.read()).status
+            return head, queued_head, errors, status
+
+    head, queued_head, (running_error, queued_error), status = asyncio.run(main())
+    assert events(head)[-1] == "delta" and events(queued_head) == ["accepted"]
+    # partial output, then the engine died: INTERNAL; nothing generated yet: UNAVAILABLE
+    assert running_error.code() == grpc.StatusCode.INTERNAL
+    assert queued_error.code() == grpc.StatusCode.UNAVAILABLE
+    for error in (running_error, queued_error):
+        assert detail(error, error_details_pb2.ErrorInfo).reason == "ENGINE_DEAD"
+        assert "injected fault" in (error.details() or "")
+    assert status == NOT_SERVING  # said by the live server, before it exits
+    assert server.proc.wait(timeout=30) != 0
+    (dead,) = [r for r in server.log_records() if r["event"] == "engine_dead"]
+    assert "request_id" not in dead  # the step loop does not log in a request's context

@@ -1,0 +1,205 @@
+"""Run `asyncengine serve` as a subprocess and talk to it through the generated stubs only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
+from asyncengine.v1 import generation_pb2 as pb
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve_command() -> list[str]:
+    script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
+    if script:
+        return [script, "serve"]
+    return [sys.executable, "-m", "asyncengine.server.cli", "serve"]
+
+
+class ServerProcess:
+    """One `asyncengine serve` on 127.0.0.1 with a tiny model; its stderr goes to a log file."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *flags: str,
+        env: dict[str, str] | None = None,
+        root_cert: bytes | None = None,
+        client_cert: tuple[bytes, bytes] | None = None,  # (key, cert)
+    ) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.root_cert = root_cert
+        self.client_cert = client_cert
+        command = [
+            *_serve_command(),
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            "--device", "cpu", "--dtype", "float32", "--torch-threads", "1", *flags,
+        ]  # fmt: skip
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=self._log,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+
+    def channel(self, *, secure: bool | None = None, **kwargs: Any) -> grpc.Channel:
+        """A sync channel; TLS with this server's root (and client cert) unless secure=False."""
+        return _channel(grpc, self, secure, **kwargs)
+
+    def aio_channel(self, *, secure: bool | None = None, **kwargs: Any) -> grpc.aio.Channel:
+        return _channel(grpc.aio, self, secure, **kwargs)
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Poll the standard health service until it says SERVING (never sleep-and-hope)."""
+        deadline = time.monotonic() + timeout
+        with self.channel() as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"server not SERVING after {timeout} s:\n{self.log()}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful drain) and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def log_records(self) -> list[dict[str, Any]]:
+        """Every JSON log line (a non-JSON line fails the caller: logs must be JSON lines)."""
+        return [json.loads(line) for line in self.log().splitlines() if line.strip()]
+
+
+def _channel(module: Any, server: ServerProcess, secure: bool | None, **kwargs: Any) -> Any:
+    options = [("grpc.max_receive_message_length", 64 << 20)]
+    if secure is False or (secure is None and server.root_cert is None):
+        return module.insecure_channel(server.target, options=options)
+    root = kwargs.get("root_cert", server.root_cert)
+    key, cert = kwargs.get("client_cert", server.client_cert) or (None, None)
+    credentials = grpc.ssl_channel_credentials(root, key, cert)
+    return module.secure_channel(server.target, credentials, options=options)
+
+
+def stubs(channel: Any) -> tuple[generation_pb2_grpc.GenerationStub, control_pb2_grpc.ControlStub]:
+    return generation_pb2_grpc.GenerationStub(channel), control_pb2_grpc.ControlStub(channel)
+
+
+def rich_status(error: grpc.RpcError) -> status_pb2.Status:
+    """The google.rpc.Status a server sent in `grpc-status-details-bin`."""
+    for key, value in error.trailing_metadata() or ():  # type: ignore[attr-defined]
+        if key == "grpc-status-details-bin":
+            return status_pb2.Status.FromString(value)
+    raise AssertionError(f"no rich status details in {error!r}")
+
+
+def detail(error: grpc.RpcError, kind: type) -> Any:
+    """The first detail of type `kind` (BadRequest, RetryInfo, ErrorInfo) in the error."""
+    for packed in rich_status(error).details:
+        message = kind()
+        if packed.Unpack(message):
+            return message
+    raise AssertionError(f"no {kind.__name__} in {rich_status(error)}")
+
+
+def bad_field(error: grpc.RpcError) -> str:
+    violations = detail(error, error_details_pb2.BadRequest).field_violations
+    assert len(violations) == 1, violations
+    return violations[0].field
+
+
+def greedy_request(prompt: str | Sequence[int], max_new_tokens: int | None, **kwargs: Any) -> Any:
+    """A GenerateRequest for greedy decoding; `kwargs` go to the request itself."""
+    stopping = kwargs.pop("stopping", None) or pb.StoppingOptions(ignore_eos=True)
+    if max_new_tokens is not None:
+        stopping.max_new_tokens = max_new_tokens
+    prompt_field: dict[str, Any] = (
+        {"text": prompt} if isinstance(prompt, str) else {"token_ids": pb.TokenIds(ids=prompt)}
+    )
+    return pb.GenerateRequest(
+        **prompt_field,
+        sampling=kwargs.pop("sampling", None) or pb.SamplingOptions(temperature=0.0),
+        stopping=stopping,
+        **kwargs,
+    )
+
+
+def events(responses: Sequence[pb.GenerateResponse]) -> list[str]:
+    return [r.WhichOneof("event") for r in responses]
+
+
+def check_stream_shape(responses: Sequence[pb.GenerateResponse]) -> str:
+    """Accepted first, Usage last, one Finished before it, consecutive sequence numbers.
+
+    Returns the joined delta text.
+    """
+    kinds = events(responses)
+    assert kinds[0] == "accepted" and kinds[-2:] == ["finished", "usage"], kinds
+    assert set(kinds[1:-2]) <= {"delta", "heartbeat"}, kinds
+    seqs = [getattr(r, kind).sequence_number for r, kind in zip(responses[1:], kinds[1:])]
+    assert seqs == list(range(1, len(responses))), seqs
+    deltas = [r.delta for r in responses if r.HasField("delta")]
+    offset = 0
+    for delta in deltas:
+        assert delta.token_offset == offset
+        offset = delta.completion_tokens
+    assert responses[-1].usage.completion_tokens == offset
+    return "".join(d.text for d in deltas)
+
+
+async def read_until(call: Any, kind: str) -> list[pb.GenerateResponse]:
+    """Read an aio stream up to and including its first `kind` event."""
+    responses = [await call.read()]
+    while responses[-1].WhichOneof("event") != kind:
+        responses.append(await call.read())
+    return responses
+
+
+async def read_rest(call: Any) -> list[pb.GenerateResponse]:
+    """The remaining responses of an aio stream read with `read()` (styles must not mix)."""
+    responses = []
+    while (response := await call.read()) != grpc.aio.EOF:
+        responses.append(response)
+    return responses
