@@ -101,10 +101,10 @@ def sampling_params(
 
 
 def finish_reason(
-    out: RequestOutput, abort_reason: int | None, max_model_len: int
+    out: RequestOutput, abort_reason: int | None, max_model_len: int, sample: int = 0
 ) -> tuple[int, str, int | None]:
-    """(FinishReason, matched stop string, matched stop token id) of a finished output."""
-    completion = out.outputs[0]
+    """(FinishReason, matched stop string, matched stop token id) of a finished sample."""
+    completion = out.outputs[sample]
     reason, stop = completion.finish_reason, completion.stop_reason
     if reason == "abort":
         return abort_reason or FinishReason.ABORTED_BY_SERVER, "", None
@@ -125,7 +125,7 @@ def usage(out: RequestOutput, sequence_number: int = 0) -> generation_pb2.Usage:
     metrics = out.metrics
     msg = generation_pb2.Usage(
         prompt_tokens=len(out.prompt_token_ids),
-        completion_tokens=len(out.outputs[0].token_ids),
+        completion_tokens=sum(len(c.token_ids) for c in out.outputs),
         sequence_number=sequence_number,
     )
     if metrics is None:

@@ -180,8 +180,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 f"prompt ({num_tokens} tokens) + max_new_tokens ({params.max_tokens}) exceeds "
                 f"the context length ({max_len})",
             )
-        if params.n != 1:  # SamplingParams rejects it today; keep the promise if that changes
-            raise InvalidFieldError("sampling.n", "only n=1 is supported")
+        if params.n != 1 and prefix:  # a batch result has room for one sample per prompt
+            raise InvalidFieldError("sampling.n", "n > 1 is supported by GenerateStream only")
         time_limit_ms = request.stopping.time_limit_ms
         return Flight(
             request_id=request_id,
@@ -226,11 +226,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Delta and Heartbeat messages, then Finished and Usage (Accepted is message 0)."""
         seq = 1
-        tracker = DeltaTracker(
-            flight,
-            options.logprobs if options.HasField("logprobs") else None,
-            options.return_token_ids,
-        )
+        num_top = options.logprobs if options.HasField("logprobs") else None
+        # one tracker per sample: with n > 1 each sample streams its own deltas
+        trackers = [
+            DeltaTracker(flight, num_top, options.return_token_ids) for _ in range(flight.params.n)
+        ]
         heartbeat_s = self._state.options.heartbeat_interval
         async with contextlib.aclosing(follow(self._state, flight, stream, heartbeat_s)) as outs:
             async for out in outs:
@@ -242,16 +242,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     seq += 1
                     continue
                 outcome.final = out
-                delta = tracker.delta(out, seq, self._tokenizer)
-                if delta is not None:
-                    outcome.num_deltas += 1
-                    seq += 1
-                    yield pb.GenerateResponse(delta=delta)
-        finished = self._finished(flight, outcome)
-        finished.sequence_number = seq
-        yield pb.GenerateResponse(finished=finished)
+                for completion in out.outputs:
+                    tracker = trackers[completion.index]
+                    delta = tracker.delta(out, seq, self._tokenizer, completion.index)
+                    if delta is not None:
+                        outcome.num_deltas += 1
+                        seq += 1
+                        yield pb.GenerateResponse(delta=delta)
         assert outcome.final is not None
-        yield pb.GenerateResponse(usage=convert.usage(outcome.final, seq + 1))
+        for completion in outcome.final.outputs:
+            finished = self._finished(flight, outcome, completion.index)
+            finished.sequence_number = seq
+            seq += 1
+            yield pb.GenerateResponse(finished=finished)
+        yield pb.GenerateResponse(usage=convert.usage(outcome.final, seq))
 
     async def _collect(self, flight: Flight, stream: EngineStream, outcome: _Outcome) -> None:
         async with contextlib.aclosing(follow(self._state, flight, stream, None)) as outs:
@@ -259,14 +263,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 outcome.final = out
         self._finished(flight, outcome)
 
-    def _finished(self, flight: Flight, outcome: _Outcome) -> pb.Finished:
+    def _finished(self, flight: Flight, outcome: _Outcome, sample: int = 0) -> pb.Finished:
         assert outcome.final is not None and outcome.final.finished
         reason, stop_string, stop_token_id = convert.finish_reason(
-            outcome.final, flight.abort_reason, self._max_model_len
+            outcome.final, flight.abort_reason, self._max_model_len, sample
         )
         outcome.finish_reason = pb.FinishReason.Name(reason)
         return pb.Finished(
-            sample_index=0,
+            sample_index=sample,
             reason=reason,  # type: ignore[arg-type]
             stop_string=stop_string,
             stop_token_id=stop_token_id,

@@ -103,9 +103,9 @@ class DeltaTracker:
         self.num_tokens = 0
 
     def delta(
-        self, out: RequestOutput, sequence_number: int, tokenizer: Any
+        self, out: RequestOutput, sequence_number: int, tokenizer: Any, sample: int = 0
     ) -> generation_pb2.Delta | None:
-        completion = out.outputs[0]
+        completion = out.outputs[sample]
         text = completion.text[self.text_len :]
         token_ids = completion.token_ids[self.num_tokens :]
         if not text and not token_ids:

@@ -291,6 +291,44 @@ def test_half_of_64_streams_cancelled_frees_every_block(server: ServerProcess) -
         assert reply.results[0].usage.completion_tokens == 3
 
 
+def test_parallel_samples_stream_with_their_index_and_equal_llm(server, llm) -> None:
+    prompt, n = "봄에 관한 시를 써줄래?", 3
+    request = pb.GenerateRequest(
+        text=prompt,
+        sampling=pb.SamplingOptions(n=n, temperature=0.9, seed=77),
+        stopping=pb.StoppingOptions(max_new_tokens=16, ignore_eos=True),
+        response=pb.ResponseOptions(return_token_ids=True),
+    )
+    with server.channel() as channel:
+        generation, _ = stubs(channel)
+        responses = list(generation.GenerateStream(request, timeout=60))
+        with pytest.raises(grpc.RpcError) as batch_error:  # one result per prompt: n must be 1
+            generation.Generate(
+                pb.GenerateBatchRequest(prompts=[pb.Prompt(text=prompt)], sampling=request.sampling)
+            )
+    assert bad_field(batch_error.value) == "sampling.n"
+    kinds = events(responses)
+    assert kinds[0] == "accepted" and kinds[-n - 1 :] == ["finished"] * n + ["usage"], kinds
+    seqs = [getattr(r, k).sequence_number for r, k in zip(responses[1:], kinds[1:])]
+    assert seqs == list(range(1, len(responses)))
+    texts, tokens = [""] * n, [[] for _ in range(n)]
+    for delta in (r.delta for r in responses if r.HasField("delta")):
+        assert delta.token_offset == len(tokens[delta.sample_index])
+        texts[delta.sample_index] += delta.text
+        tokens[delta.sample_index] += delta.token_ids
+    finished = [r.finished for r in responses if r.HasField("finished")]
+    assert [f.sample_index for f in finished] == list(range(n))
+    assert all(f.reason == pb.FinishReason.LENGTH for f in finished)
+    expected = llm.generate(
+        prompt,
+        SamplingParams(n=n, temperature=0.9, seed=77, max_tokens=16, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert texts == [c.text for c in expected.outputs]
+    assert tokens == [c.token_ids for c in expected.outputs]
+    assert responses[-1].usage.completion_tokens == n * 16
+
+
 BAD_REQUESTS = [
     ("sampling.temperature", {"sampling": pb.SamplingOptions(temperature=-1)}),
     ("sampling.top_p", {"sampling": pb.SamplingOptions(top_p=1.5)}),
@@ -299,7 +337,7 @@ BAD_REQUESTS = [
     ("sampling.presence_penalty", {"sampling": pb.SamplingOptions(presence_penalty=3)}),
     ("sampling.frequency_penalty", {"sampling": pb.SamplingOptions(frequency_penalty=-3)}),
     ("sampling.seed", {"sampling": pb.SamplingOptions(seed=2**63)}),
-    ("sampling.n", {"sampling": pb.SamplingOptions(n=2)}),
+    ("sampling.n", {"sampling": pb.SamplingOptions(n=65)}),
     ("stopping.max_new_tokens", {"stopping": pb.StoppingOptions(max_new_tokens=0)}),
     (
         "stopping.min_new_tokens",
