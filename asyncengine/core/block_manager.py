@@ -12,7 +12,22 @@ from typing import Protocol
 
 from asyncengine.core.block_pool import BlockPool, NoFreeBlocksError
 
-__all__ = ["AllocStatus", "BlockPool", "BlockSpaceManager", "NoFreeBlocksError", "Sequence"]
+__all__ = [
+    "RELEASED",
+    "AllocStatus",
+    "BlockPool",
+    "BlockSpaceManager",
+    "NoFreeBlocksError",
+    "Sequence",
+]
+
+
+# a block-table entry whose block was released (outside a sliding window): never read
+RELEASED = -1
+
+
+def live(table: list[int]) -> list[int]:
+    return [block for block in table if block != RELEASED]
 
 
 class AllocStatus(enum.Enum):
@@ -173,6 +188,8 @@ class BlockSpaceManager:
         """Grow the table to cover every token; return copy-on-write (src, dst) pairs."""
         start = seq.num_tokens - 1 if num_computed_tokens is None else num_computed_tokens
         table = self.block_tables[seq.request_id]
+        if self.sliding_window is not None:
+            self._release_outside_window(table, start)
         copies = []
         for i in range(start // self.block_size, len(table)):
             block = table[i]
@@ -184,10 +201,19 @@ class BlockSpaceManager:
             table.append(self.gpu_pool.allocate())
         return copies
 
+    def _release_outside_window(self, table: list[int], first_query_pos: int) -> None:
+        """Free blocks no query from `first_query_pos` on can see; their entries become
+        RELEASED, so memory stays bounded by the window as the sequence grows."""
+        first_visible = first_query_pos - self.sliding_window + 1  # type: ignore[operator]
+        for i in range(min(len(table), max(0, first_visible) // self.block_size)):
+            if table[i] != RELEASED:
+                self.gpu_pool.decref(table[i])
+                table[i] = RELEASED
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give `child` the parent's blocks, shared; a later write copies (copy-on-write)."""
         table = list(self.block_tables[parent.request_id])
-        for block in table:
+        for block in live(table):
             self.gpu_pool.incref(block)
         self.block_tables[child.request_id] = table
         if parent.request_id in self.block_hashes:
@@ -196,7 +222,7 @@ class BlockSpaceManager:
     # -- swapping ----------------------------------------------------------------------------
 
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.block_tables[seq.request_id]) <= self.cpu_pool.num_free
+        return len(live(self.block_tables[seq.request_id])) <= self.cpu_pool.num_free
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq`'s blocks to the CPU pool; return (gpu, cpu) pairs to copy."""
@@ -206,7 +232,9 @@ class BlockSpaceManager:
 
     def can_swap_in(self, seq: Sequence) -> AllocStatus:
         """Like `can_allocate` for a resumed request: no watermark (see there)."""
-        return self._fit(self.num_blocks_for(seq.num_tokens), watermark=0)
+        table = self.cpu_block_tables[seq.request_id]
+        num_new = self.num_blocks_for(seq.num_tokens) - len(table)
+        return self._fit(len(live(table)) + num_new, watermark=0)
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move `seq`'s blocks back to the GPU pool; return (cpu, gpu) pairs to copy."""
@@ -227,11 +255,11 @@ class BlockSpaceManager:
         dst_pool: BlockPool,
     ) -> list[tuple[int, int]]:
         src_table = src_tables.pop(seq.request_id)
-        pairs = [(block, dst_pool.allocate()) for block in src_table]
-        for block in src_table:
+        moved = {block: dst_pool.allocate() for block in live(src_table)}
+        for block in moved:
             src_pool.decref(block)
-        dst_tables[seq.request_id] = [dst for _, dst in pairs]
-        return pairs
+        dst_tables[seq.request_id] = [moved.get(block, RELEASED) for block in src_table]
+        return list(moved.items())
 
     # -- release and queries -----------------------------------------------------------------
 
@@ -243,7 +271,7 @@ class BlockSpaceManager:
             (self.cpu_block_tables, self.cpu_pool),
         ):
             # tail first: freed blocks are evicted in order, and a chain's tail is least useful
-            for block in reversed(tables.pop(seq.request_id, ())):
+            for block in reversed(live(tables.pop(seq.request_id, []))):
                 pool.decref(block)
 
     def has_blocks(self, seq: Sequence) -> bool:
@@ -273,7 +301,7 @@ class BlockSpaceManager:
         ):
             holders: Counter[int] = Counter()
             for table in tables.values():
-                holders.update(table)
+                holders.update(live(table))
             pool.check_invariants(holders)
         both = self.block_tables.keys() & self.cpu_block_tables.keys()
         assert not both, f"requests on both devices: {sorted(both)}"

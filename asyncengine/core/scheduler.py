@@ -67,10 +67,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions: Counter[str] = Counter()  # by mode: "swap" | "recompute"
         # a sequence stops at max_model_len, or when it fills the whole cache: it could
-        # never grow further, and preempting it would not help
-        self.max_seq_len = min(
-            config.max_model_len, block_manager.num_gpu_blocks * block_manager.block_size
-        )
+        # never grow further, and preempting it would not help (a sliding window frees
+        # blocks as it moves, so there the cache is no limit)
+        self.max_seq_len = config.max_model_len
+        if block_manager.sliding_window is None:
+            capacity = block_manager.num_gpu_blocks * block_manager.block_size
+            self.max_seq_len = min(self.max_seq_len, capacity)
 
     # -- requests in and out -----------------------------------------------------------------
 

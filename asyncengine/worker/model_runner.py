@@ -160,7 +160,8 @@ class ModelRunner:
                 sampling_reqs.append(req)
                 logits_indices.append(query_start_loc[-1] - 1)
         max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        # padding and released entries (outside a sliding window, so masked) read block 0
+        padded = [[max(b, 0) for b in t] + [0] * (max_blocks - len(t)) for t in tables]
 
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
