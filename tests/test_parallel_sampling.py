@@ -97,3 +97,14 @@ def test_aborting_a_parallel_request_frees_every_sample(model_dir):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_one_token_prompt_forks_at_admission(model_dir):
+    # all but the last prompt token is computed already (none): the samples fork on admission
+    llm = make_llm(model_dir)
+    grouped = SamplingParams(n=3, temperature=1.0, seed=SEED, max_tokens=12)
+    separate = [SamplingParams(temperature=1.0, seed=SEED + i, max_tokens=12) for i in range(3)]
+    [out] = llm.generate([[5]], grouped, use_tqdm=False)
+    outs = llm.generate([[5]] * 3, separate, use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in outs]
+    llm.llm_engine.block_manager.check_invariants()

@@ -182,7 +182,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.insert_sorted(req)
             if req.is_ready_to_fork:  # a one-token prompt, or all but its last token cached
+                # every sample starts next step, through the running pass that gives each
+                # its own copy of the shared last block before it writes there
                 self._fork_samples(req)
+                continue
             num_tokens = budget.take(req, reserve=0)
             out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
