@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,8 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     num_decodes: int
     max_seq_len: int
+    # values every layer would compute alike (e.g. the decode mask), computed by the first
+    scratch: dict[Any, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
