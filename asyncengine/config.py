@@ -167,20 +167,14 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
+            expected_concurrency=self.expected_concurrency,
         )
-        backend = self.attention_backend
-        if backend == "triton":
-            # the Triton kernels are their own piece of work; say so rather than fall back
-            raise ValueError(
-                "EngineArgs.attention_backend 'triton' is not available yet; use 'torch' or 'auto'"
-            )
-        if backend == "auto":
-            backend = "torch"
+        backend = _resolve_attention_backend(self.attention_backend, device)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
-            device_config=DeviceConfig(device=device, attention_backend=backend),  # type: ignore[arg-type]
+            device_config=DeviceConfig(device=device, attention_backend=backend),
         )
 
 
@@ -209,6 +203,28 @@ def _resolve_device(device: str) -> Literal["cuda", "cpu"]:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("EngineArgs.device is 'cuda' but no CUDA device is available")
     return device  # type: ignore[return-value]
+
+
+def _resolve_attention_backend(backend: str, device: str) -> Literal["torch", "triton"]:
+    import importlib.util
+    import os
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    if backend == "auto":
+        # the kernels on CUDA; on CPU they would only run under Triton's (slow) interpreter
+        return "triton" if device == "cuda" and has_triton else "torch"
+    if backend == "triton":
+        _require(
+            has_triton, "attention_backend", "'torch' or 'auto' (triton is not installed)", backend
+        )
+        _require(
+            device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1",
+            "attention_backend",
+            "'torch' or 'auto' on the CPU, unless TRITON_INTERPRET=1 is set (before triton is "
+            "imported) to run the kernels in Triton's interpreter",
+            backend,
+        )
+    return backend  # type: ignore[return-value]
 
 
 def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:

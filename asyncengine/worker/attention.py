@@ -1,6 +1,13 @@
-"""Attention over the paged KV cache: the plain-torch backend (CPU path, kernel reference)."""
+"""Attention over the paged KV cache: the plain-torch backend (CPU path, kernel reference).
+
+`set_attention_backend` routes a model's `Attention` layers to the Triton kernels instead
+(asyncengine/worker/triton_attention.py); triton is imported only then.
+"""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,9 +107,16 @@ def _decode_mask(
     return mask.masked_fill_(~visible, float("-inf"))[:, None, None, :]
 
 
-# Reused gather buffers, one for K and one for V: a fresh multi-MB tensor per layer and step
-# costs page faults that double the copy's time. The worker runs one forward at a time.
-_gather_buffers: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+class _GatherBuffers(threading.local):
+    """Reused gather buffers, one for K and one for V: a fresh multi-MB tensor per layer and
+    step costs page faults that double the copy's time. Per thread, as each engine runs its
+    forwards in a worker thread of its own."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+_gather_buffers = _GatherBuffers()
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torch.Tensor:
@@ -110,10 +124,10 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torc
     flat = cache.view(cache.shape[0], -1)
     num_rows, row_len = blocks.numel(), flat.shape[1]
     key = (flat.device, flat.dtype, slot)
-    buffer = _gather_buffers.get(key)
+    buffer = _gather_buffers.by_key.get(key)
     if buffer is None or buffer.numel() < num_rows * row_len:
         buffer = torch.empty(2 * num_rows * row_len, dtype=flat.dtype, device=flat.device)
-        _gather_buffers[key] = buffer
+        _gather_buffers.by_key[key] = buffer
     out = buffer[: num_rows * row_len].view(num_rows, row_len)
     return torch.index_select(flat, 0, blocks, out=out)
 
@@ -142,6 +156,40 @@ def _prefill_attention(
     return attn.transpose(0, 1)
 
 
+def torch_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Store this step's K/V, then attend every new token over its sequence's cached K/V."""
+    store_kv(key, value, kv_cache, meta.slot_mapping)
+    return paged_attention(query, kv_cache, meta, scale, sliding_window)
+
+
+AttentionImpl = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float, int | None],
+    torch.Tensor,
+]
+
+
+def set_attention_backend(model: nn.Module, backend: str) -> None:
+    """Route every `Attention` layer of `model` through `backend`: "torch" or "triton"."""
+    impl: AttentionImpl = torch_attention
+    if backend == "triton":
+        from asyncengine.worker.triton_attention import triton_attention
+
+        impl = triton_attention
+    elif backend != "torch":
+        raise ValueError(f"unknown attention backend {backend!r}")
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.impl = impl
+
+
 class Attention(nn.Module):
     """Stores this layer's new K/V in the paged cache and attends over it."""
 
@@ -160,10 +208,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        self.impl: AttentionImpl = torch_attention
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         kv_cache = ctx.kv_caches[self.layer_idx]
-        meta = ctx.attn_metadata
-        store_kv(key, value, kv_cache, meta.slot_mapping)
-        return paged_attention(query, kv_cache, meta, self.scale, self.sliding_window)
+        return self.impl(
+            query, key, value, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window
+        )

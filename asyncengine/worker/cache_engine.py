@@ -8,7 +8,11 @@ from asyncengine.core.scheduler import SchedulerOutput
 
 
 class CacheEngine:
-    """Per layer, one tensor per pool: [2 (K, V), num_blocks, block_size, kv_heads, head_dim]."""
+    """Per layer, one tensor per pool: [2 (K, V), num_blocks, block_size, kv_heads, head_dim].
+
+    With `use_triton_kernels`, block moves use asyncengine.kernels: one launch per list of
+    pairs for all layers, and swaps through one staging copy.
+    """
 
     def __init__(
         self,
@@ -20,8 +24,10 @@ class CacheEngine:
         num_cpu_blocks: int,
         dtype: torch.dtype,
         device: str,
+        use_triton_kernels: bool = False,
     ) -> None:
         self.device = device
+        self.use_triton_kernels = use_triton_kernels
 
         def pool(num_blocks: int, where: str, pin: bool, zeroed: bool) -> list[torch.Tensor]:
             shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -44,12 +50,24 @@ class CacheEngine:
 
     def apply(self, plan: SchedulerOutput) -> None:
         """Swap out, swap in, then copy-on-write copies: all before the forward that needs them."""
+        if self.use_triton_kernels:
+            self._apply_with_kernels(plan)
+            return
         if plan.blocks_to_swap_out:
             self._move(self.gpu_cache, self.cpu_cache, plan.blocks_to_swap_out)
         if plan.blocks_to_swap_in:
             self._move(self.cpu_cache, self.gpu_cache, plan.blocks_to_swap_in)
         if plan.blocks_to_copy:
             self._move(self.gpu_cache, self.gpu_cache, plan.blocks_to_copy)
+
+    def _apply_with_kernels(self, plan: SchedulerOutput) -> None:
+        from asyncengine.kernels import copy_blocks, swap_in_blocks, swap_out_blocks
+
+        swap_out_blocks(self.gpu_cache, self.cpu_cache, plan.blocks_to_swap_out)
+        swap_in_blocks(self.cpu_cache, self.gpu_cache, plan.blocks_to_swap_in)
+        if plan.blocks_to_copy:
+            pairs = torch.tensor(plan.blocks_to_copy, dtype=torch.long, device=self.device)
+            copy_blocks(self.gpu_cache, self.gpu_cache, pairs)
 
     @staticmethod
     def _move(

@@ -6,6 +6,7 @@ Model code keeps the signature `forward(input_ids, positions)`; the paged-attent
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,22 +43,27 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
 
 
-_current: ForwardContext | None = None
+class _Local(threading.local):
+    current: ForwardContext | None = None
+
+
+# per thread: each engine runs its forwards in a worker thread of its own, and several
+# engines may share a process (tests, replicas in one process)
+_local = _Local()
 
 
 @contextmanager
 def set_forward_context(
     attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]
 ) -> Iterator[None]:
-    global _current
-    assert _current is None, "forward contexts do not nest"
-    _current = ForwardContext(attn_metadata, kv_caches)
+    assert _local.current is None, "forward contexts do not nest"
+    _local.current = ForwardContext(attn_metadata, kv_caches)
     try:
         yield
     finally:
-        _current = None
+        _local.current = None
 
 
 def get_forward_context() -> ForwardContext:
-    assert _current is not None, "attention ran outside set_forward_context()"
-    return _current
+    assert _local.current is not None, "attention ran outside set_forward_context()"
+    return _local.current
