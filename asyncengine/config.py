@@ -51,6 +51,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     preemption_mode: Literal["auto", "swap", "recompute"]
+    # the operator's stated peak of concurrent requests, checked against max_num_seqs at start
+    expected_concurrency: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,9 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     preemption_mode: str = "auto"
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    expected_concurrency: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -117,7 +120,12 @@ class EngineArgs:
         _require(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
         _require(self.seed >= 0, "seed", ">= 0", self.seed)
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
-        for name in ("max_num_batched_tokens", "max_model_len", "num_gpu_blocks_override"):
+        for name in (
+            "max_num_batched_tokens",
+            "max_model_len",
+            "num_gpu_blocks_override",
+            "expected_concurrency",
+        ):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, ">= 1 or None", value)
         _require(
@@ -158,7 +166,7 @@ class EngineArgs:
             swap_space_bytes=int(self.swap_space * GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             num_cpu_blocks_override=self.num_cpu_blocks_override,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=_prefix_caching(self.enable_prefix_caching, hf_config),
             sliding_window=getattr(hf_config, "sliding_window", None) or None,
         )
         scheduler_config = SchedulerConfig(
@@ -192,6 +200,18 @@ def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
             f"EngineArgs.max_model_len must be <= the model's max_position_embeddings ({limit}), "
             f"got {requested}"
         )
+    return requested
+
+
+def _prefix_caching(requested: bool, hf_config: Any) -> bool:
+    # a block outside a sliding window holds K/V no later request can reuse whole
+    if requested and getattr(hf_config, "sliding_window", None):
+        from asyncengine.logging import get_logger
+
+        get_logger(__name__).warning(
+            "prefix_caching_disabled", reason="the model uses sliding-window attention"
+        )
+        return False
     return requested
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
@@ -15,6 +17,29 @@ from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
+A = TypeVar("A")
+R = TypeVar("R")
+
+
+@dataclass
+class StepStats:
+    """What one step took and moved, for an `EngineObserver`."""
+
+    schedule_s: float
+    execute_s: float  # block moves, forward and sampling, timed in the worker thread
+    update_s: float  # token appends, stop checks, detokenization
+    num_generated_tokens: int
+    num_blocks_swapped_out: int
+    num_blocks_swapped_in: int
+
+
+class EngineObserver(Protocol):
+    """Receives the loop's measurements (metrics). Both calls run on the loop: keep them cheap."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_request_done(self, request_id: str, output: RequestOutput | None) -> None:
+        """Once per request: its final output, or None when the engine died under it."""
 
 
 class RequestOutputCollector:
@@ -51,9 +76,15 @@ class AsyncLLMEngine:
     moves before it) runs in a single worker thread, so the loop keeps streaming meanwhile.
     """
 
-    def __init__(self, engine: LLMEngine, step_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        step_timeout_s: float = 300.0,
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.engine = engine
         self.step_timeout_s = step_timeout_s
+        self.observer = observer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-step")
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._has_work: asyncio.Event | None = None
@@ -133,6 +164,8 @@ class AsyncLLMEngine:
         collector = self._collectors.pop(request_id, None)
         if collector is not None and final:
             collector.put(final[0])
+        if final and self.observer is not None:
+            self.observer.on_request_done(request_id, final[0])
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -151,24 +184,40 @@ class AsyncLLMEngine:
                 self._has_work.clear()
                 await self._has_work.wait()
                 continue
+            started = time.perf_counter()
             plan = self.engine.schedule()
-            step_started = time.monotonic()
-            result = await asyncio.wait_for(
-                loop.run_in_executor(self._executor, self.engine.execute, plan),
+            scheduled = time.perf_counter()
+            result, execute_s = await asyncio.wait_for(
+                loop.run_in_executor(self._executor, _timed, self.engine.execute, plan),
                 self.step_timeout_s,
             )
-            for out in self.engine.update(plan, result):
-                collector = self._collectors.get(out.request_id)
-                if collector is None:
-                    continue
-                collector.put(out)
-                if out.finished:
-                    del self._collectors[out.request_id]
-            logger.debug(
-                "step", num_scheduled=len(plan.scheduled), seconds=time.monotonic() - step_started
+            executed = time.perf_counter()
+            outputs = self.engine.update(plan, result)
+            stats = StepStats(
+                schedule_s=scheduled - started,
+                execute_s=execute_s,
+                update_s=time.perf_counter() - executed,
+                num_generated_tokens=len(result.sampled_token_ids),
+                num_blocks_swapped_out=len(plan.blocks_to_swap_out),
+                num_blocks_swapped_in=len(plan.blocks_to_swap_in),
             )
+            self._deliver(outputs)
+            if self.observer is not None:
+                self.observer.on_step(stats)
+            logger.debug("step", num_scheduled=len(plan.scheduled), **vars(stats))
             # let the streams run before the next step; the step itself never awaits them
             await asyncio.sleep(0)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            collector = self._collectors.get(out.request_id)
+            if collector is None:
+                continue
+            collector.put(out)
+            if out.finished:
+                del self._collectors[out.request_id]
+                if self.observer is not None:
+                    self.observer.on_request_done(out.request_id, out)
 
     def _on_loop_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() and self._dead is not None:
@@ -180,8 +229,10 @@ class AsyncLLMEngine:
         dead.__cause__ = cause
         self._dead = dead
         logger.error("engine_dead", cause=repr(cause), open_streams=len(self._collectors))
-        for collector in self._collectors.values():
+        for request_id, collector in self._collectors.items():
             collector.put(dead)
+            if self.observer is not None:
+                self.observer.on_request_done(request_id, None)
         self._collectors.clear()
 
     async def shutdown(self) -> None:
@@ -194,3 +245,9 @@ class AsyncLLMEngine:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _timed(fn: Callable[[A], R], arg: A) -> tuple[R, float]:
+    started = time.perf_counter()
+    result = fn(arg)
+    return result, time.perf_counter() - started

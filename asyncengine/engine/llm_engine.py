@@ -16,6 +16,7 @@ from asyncengine.errors import DuplicateRequestError, InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.worker import kv_sizing
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = get_logger(__name__)
@@ -61,6 +62,8 @@ class LLMEngine:
         self._decode = make_decode(self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model_config.hf_config)
         self.vocab_size = int(model_config.hf_config.vocab_size)
+        for warning in kv_sizing.practice_warnings(config):
+            logger.warning("config_warning", **warning)
         self.model_runner = model_runner or ModelRunner(config)
         num_gpu_blocks, num_cpu_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_cache(num_gpu_blocks, num_cpu_blocks)

@@ -12,18 +12,20 @@ from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
 from asyncengine.server.convert import FinishReason
+from asyncengine.server.metrics import ServerMetrics
 from asyncengine.server.options import ServeOptions, check_options
 from asyncengine.server.servicer_control import ControlServicer
 from asyncengine.server.servicer_generation import GenerationServicer
-from asyncengine.server.state import SERVICE_NAMES, ServerState
+from asyncengine.server.state import LIVENESS_SERVICE, SERVICE_NAMES, ServerState
 from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
 
 logger = get_logger(__name__)
@@ -39,7 +41,12 @@ _STOP_GRACE_S = 2.0
 def grpc_options(options: ServeOptions) -> list[tuple[str, Any]]:
     """Channel arguments; the reason for each is in `asyncengine serve --help`."""
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
+    age = []
+    if options.max_connection_age is not None:
+        # no grace limit: a GOAWAY never cuts a generation short
+        age = [("grpc.max_connection_age_ms", ms(options.max_connection_age))]
     return [
+        *age,
         ("grpc.max_receive_message_length", options.max_message_size),
         ("grpc.max_send_message_length", options.max_message_size),
         ("grpc.keepalive_time_ms", ms(options.keepalive_time)),
@@ -99,11 +106,21 @@ def build_server(state: ServerState) -> tuple[grpc.aio.Server, int]:
 async def start(
     engine: AsyncLLMEngine, options: ServeOptions
 ) -> tuple[grpc.aio.Server, ServerState, int]:
-    """Start serving `engine` (health SERVING once the port is open); returns the bound port."""
+    """Start serving `engine` (health SERVING once the port is open); returns the bound port.
+
+    With `options.metrics_port` set, /metrics is served too (`state.metrics.port`).
+    """
     state = ServerState(engine, options, health.aio.HealthServicer())
     await state.set_serving(False)
     server, port = build_server(state)
+    if options.metrics_port is not None:
+        state.metrics = ServerMetrics(engine, state.abort_reason_of)
+        host = options.metrics_host or options.host
+        metrics_port = state.metrics.start_http(host, options.metrics_port)
+        engine.observer = state.metrics
+        logger.info("metrics_serving", host=host, port=metrics_port, path="/metrics")
     await server.start()
+    await state.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await state.set_serving(True)
     logger.info(
         "serving", host=options.host, port=port, tls=bool(options.tls_cert),
@@ -123,6 +140,8 @@ async def stop(server: grpc.aio.Server, state: ServerState) -> int:
     await server.stop(_STOP_GRACE_S)
     exit_code = 1 if engine.errored else 0
     await engine.shutdown()
+    if state.metrics is not None:
+        await asyncio.to_thread(state.metrics.close)
     logger.info("server_stopped", exit_code=exit_code)
     return exit_code
 
@@ -177,6 +196,16 @@ def install_fault_hook(engine: AsyncLLMEngine) -> None:
     logger.warning("fault_hook_installed", fault_after_steps=fault_at)
 
 
+def fake_engine(engine_args: EngineArgs) -> LLMEngine:
+    """An engine whose runner scripts tokens instantly (benchmarks and balancing tests)."""
+    from asyncengine.worker.fake_runner import FakeModelRunner, count_up
+
+    config = engine_args.create_engine_config()
+    vocab_size = int(config.model_config.hf_config.vocab_size)
+    logger.warning("fake_runner", note="tokens are scripted; the model does not run")
+    return LLMEngine(config, FakeModelRunner(config, count_up(vocab_size)))
+
+
 def json_stdlib_logs() -> None:
     """Render records of stdlib `logging` users (grpc, asyncio) as JSON lines too."""
     formatter = structlog.stdlib.ProcessorFormatter(
@@ -195,8 +224,12 @@ def json_stdlib_logs() -> None:
         handler.setFormatter(formatter)
 
 
-def run(engine_args: EngineArgs, options: ServeOptions) -> int:
-    """Load the engine, serve on uvloop, and return the process exit code."""
+def run(engine_args: EngineArgs, options: ServeOptions, fake_runner: bool = False) -> int:
+    """Load the engine, serve on uvloop, and return the process exit code.
+
+    `fake_runner` (benchmarks only) serves scripted tokens without running the model, to
+    measure what the server itself costs.
+    """
     check_options(options)
     if not sys.stderr.isatty():  # the same test configure_logging uses for JSON
         json_stdlib_logs()
@@ -204,7 +237,10 @@ def run(engine_args: EngineArgs, options: ServeOptions) -> int:
         import torch
 
         torch.set_num_threads(options.torch_threads)
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    if fake_runner:
+        engine = AsyncLLMEngine(fake_engine(engine_args))
+    else:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
     install_fault_hook(engine)
     try:
         import uvloop

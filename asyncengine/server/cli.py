@@ -29,6 +29,8 @@ ENGINE_ARG_HELP = {
     "preemption_mode": "auto, swap or recompute: what happens to a preempted request's KV",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "attention_backend": "auto, torch or triton",
+    "expected_concurrency": "the peak of concurrent requests you expect: a warning at start-up "
+    "if max_num_seqs is far from 1.2-1.5x it (default: no check)",
 }
 
 
@@ -72,16 +74,13 @@ def _serve(ns: argparse.Namespace) -> int:
     from asyncengine.server.app import run
     from asyncengine.server.options import serve_options_from
 
-    return run(engine_args_from(ns), serve_options_from(ns))
+    return run(engine_args_from(ns), serve_options_from(ns), fake_runner=ns.fake_runner)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncengine", description=__doc__)
-    parser.add_argument(
-        "--log-level",
-        default=None,
-        help="DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)",
-    )
+    log_level_help = "DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)"
+    parser.add_argument("--log-level", default=None, help=log_level_help)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline for a few prompts and print them")
     add_engine_args(gen)
@@ -89,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed-sample", type=int, default=None, help="per-request sampling seed")
+    # accepted after the subcommand too; SUPPRESS keeps a value given before it
+    gen.add_argument("--log-level", default=argparse.SUPPRESS, help=log_level_help)
     serve = sub.add_parser(
         "serve",
         help="serve the model over gRPC (Generation, Control, health, reflection)",
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_serve_args(serve)
     add_engine_args(serve)
+    serve.add_argument("--log-level", default=argparse.SUPPRESS, help=log_level_help)
+    # benchmarks only: scripted tokens instead of the model (benchmarks/serving.py)
+    serve.add_argument("--fake-runner", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 

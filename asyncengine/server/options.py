@@ -32,6 +32,9 @@ class ServeOptions:
     min_client_ping_interval: float = 10.0
     reflection: bool = True
     torch_threads: int | None = None
+    metrics_port: int | None = None
+    metrics_host: str | None = None
+    max_connection_age: float | None = None
 
 
 # flag -> (type, help); defaults come from ServeOptions so they are stated once
@@ -80,6 +83,18 @@ _FLAGS: dict[str, tuple[type, str]] = {
         float,
         "shortest interval of client pings the server accepts (without ping strikes), so "
         "clients keeping long generations alive are never cut off for 'too many pings'",
+    ),
+    "metrics_port": (
+        int,
+        "port of the Prometheus /metrics HTTP endpoint, separate from gRPC (0 picks a free one; "
+        "the log line 'metrics_serving' says which; default: no endpoint)",
+    ),
+    "metrics_host": (str, "address of the metrics endpoint (default: --host)"),
+    "max_connection_age": (
+        float,
+        "seconds after which a client connection is asked to close (HTTP/2 GOAWAY; calls in "
+        "flight finish): clients then reconnect and re-resolve DNS, so balancing clients find "
+        "replicas added by scale-out (default: never)",
     ),
     "torch_threads": (
         int,
@@ -156,3 +171,9 @@ def check_options(options: ServeOptions) -> None:
             raise ValueError(f"{flag} {path!r} is not a readable file")
     if options.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
+    if options.max_connection_age is not None and options.max_connection_age <= 0:
+        raise ValueError("--max-connection-age must be > 0")
+    if options.metrics_port is not None and not 0 <= options.metrics_port <= 65535:
+        raise ValueError("--metrics-port must be in [0, 65535]")
+    if options.metrics_port and options.metrics_port == options.port:
+        raise ValueError("--metrics-port must differ from --port")

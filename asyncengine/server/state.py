@@ -7,6 +7,7 @@ import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from grpc_health.v1 import health, health_pb2
 
@@ -19,12 +20,18 @@ from asyncengine.server.errors import ServerDrainingError
 from asyncengine.server.options import ServeOptions
 from asyncengine.v1 import control_pb2, generation_pb2
 
+if TYPE_CHECKING:
+    from asyncengine.server.metrics import ServerMetrics
+
 logger = get_logger(__name__)
 
 SERVICE_NAMES = (
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
 )
+# the health "service" a liveness probe asks for: SERVING from start until shutdown, drain
+# included (readiness uses "", which drain turns NOT_SERVING)
+LIVENESS_SERVICE = "liveness"
 # how long handlers get to send their final messages once their requests are aborted
 _FLUSH_S = 5.0
 
@@ -59,6 +66,7 @@ class ServerState:
         self.started_at = time.monotonic()
         self.flights: dict[str, Flight] = {}
         self.is_draining = False
+        self.metrics: ServerMetrics | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -93,6 +101,11 @@ class ServerState:
             del self.flights[flight.request_id]
         if not self.flights:
             self._idle.set()
+
+    def abort_reason_of(self, request_id: str) -> int | None:
+        """Why the server aborted a request in flight (a FinishReason), or None."""
+        flight = self.flights.get(request_id)
+        return None if flight is None else flight.abort_reason
 
     def abort(self, request_ids: Iterable[str], reason: int) -> list[str]:
         """Abort the given requests still in the engine; returns the ids actually aborted."""

@@ -113,7 +113,7 @@ class _GatherBuffers(threading.local):
     forwards in a worker thread of its own."""
 
     def __init__(self) -> None:
-        self.by_key: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+        self.by_key: dict[tuple[torch.device, torch.dtype, int, bool], torch.Tensor] = {}
 
 
 _gather_buffers = _GatherBuffers()
@@ -123,7 +123,8 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, slot: int) -> torc
     """Rows of `cache` ([num_blocks, ...]) at `blocks`, copied into a reused buffer."""
     flat = cache.view(cache.shape[0], -1)
     num_rows, row_len = blocks.numel(), flat.shape[1]
-    key = (flat.device, flat.dtype, slot)
+    # an inference-mode buffer cannot be written outside inference mode (nor used by autograd)
+    key = (flat.device, flat.dtype, slot, torch.is_inference_mode_enabled())
     buffer = _gather_buffers.by_key.get(key)
     if buffer is None or buffer.numel() < num_rows * row_len:
         buffer = torch.empty(2 * num_rows * row_len, dtype=flat.dtype, device=flat.device)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +13,9 @@ from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.logging import get_logger
 from asyncengine.models.loader import get_model
 from asyncengine.outputs import Logprobs
+from asyncengine.sampling_params import SamplingParams
+from asyncengine.worker import kv_sizing
+from asyncengine.worker.attention import set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
 from asyncengine.worker.sampler import Sampler
@@ -46,8 +48,15 @@ class ModelRunner:
         self.device = config.device_config.device
         self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
         self.block_size = config.cache_config.block_size
+        # (free, total, reserved, allocated) before the weights load: the profile's baseline
+        self._baseline: tuple[int, int, int, int] | None = None
+        if self.device == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+            self._baseline = (int(free), int(total), reserved, allocated)
         torch.manual_seed(config.model_config.seed)
         model: Any = get_model(config.model_config, self.device)
+        set_attention_backend(model, config.device_config.attention_backend)
         self.model = model
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)
@@ -63,44 +72,144 @@ class ModelRunner:
         )
 
     def determine_num_blocks(self) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) for this config; explicit overrides always win."""
+        """(device blocks, CPU swap blocks) for this config; explicit overrides always win.
+
+        Fails here, at start-up and with the numbers, when the swap pool does not fit in host
+        memory or the device pool cannot hold one max_model_len request.
+        """
         cache, sched = self.config.cache_config, self.config.scheduler_config
         per_block = self.bytes_per_block()
         # no use making more blocks than max_num_seqs full-length requests could ever hold
         max_useful = sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
-        num_gpu = cache.num_gpu_blocks_override
-        if num_gpu is None:
-            free, total = _device_memory(self.device)
-            budget = free - total * (1.0 - cache.gpu_memory_utilization) - self._activation_bytes()
-            num_gpu = min(max(int(budget // per_block), 0), max_useful)
-            logger.info(
-                "kv_cache_sized",
-                device=self.device,
-                free_bytes=free,
-                total_bytes=total,
-                utilization=cache.gpu_memory_utilization,
-                bytes_per_block=per_block,
-                num_gpu_blocks=num_gpu,
-            )
-            if num_gpu == 0:
-                raise RuntimeError(
-                    f"no memory left for the KV cache on {self.device}: {free / 2**30:.2f} GiB "
-                    f"free of {total / 2**30:.2f} GiB at gpu_memory_utilization="
-                    f"{cache.gpu_memory_utilization}; raise it or use a smaller model"
-                )
         num_cpu = cache.num_cpu_blocks_override
         if num_cpu is None:
-            num_cpu = min(cache.swap_space_bytes // per_block, max_useful)
+            host_free, host_total = kv_sizing.host_memory()
+            num_cpu = kv_sizing.num_swap_blocks(
+                cache.swap_space_bytes, per_block, max_useful, host_free, host_total,
+                is_pinned=self.device == "cuda",
+            )  # fmt: skip
+        num_gpu = cache.num_gpu_blocks_override
+        if num_gpu is None:
+            if self.device == "cuda":
+                breakdown = self._profile_cuda(per_block)
+            else:  # the swap pool is host memory too: it comes out of the same budget
+                breakdown = self._estimate_cpu(per_block, num_cpu * per_block)
+            num_gpu = min(breakdown.num_blocks, max_useful)
+            logger.info(
+                "kv_cache_sized",
+                **breakdown.log_fields(),
+                num_gpu_blocks=num_gpu,
+                num_cpu_blocks=num_cpu,
+                capped_at_max_useful=breakdown.num_blocks > max_useful,
+                max_len_requests_at_once=num_gpu
+                // kv_sizing.blocks_per_request(
+                    sched.max_model_len, self.block_size, cache.sliding_window
+                ),
+            )
+            kv_sizing.check_one_request_fits(
+                breakdown, num_gpu, self.block_size, sched.max_model_len, cache.sliding_window
+            )
         return num_gpu, num_cpu
 
-    def _activation_bytes(self) -> int:
-        # a rough peak for one forward of max_num_batched_tokens: the widest activations
-        # (hidden, qkv, gate+up) live at once, plus the logits of every sequence
-        cfg = self.config.model_config.hf_config
-        tokens = self.config.scheduler_config.max_num_batched_tokens
-        width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size
-        logits = self.config.scheduler_config.max_num_seqs * cfg.vocab_size * 4
-        return tokens * width * self.dtype.itemsize + logits
+    def _weights_bytes(self) -> int:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _estimate_cpu(self, per_block: int, swap_bytes: int) -> kv_sizing.MemoryBreakdown:
+        # host memory has no allocator statistics to profile with: the rule is the same, with
+        # "available" memory and an estimated activation peak
+        available, total = kv_sizing.host_memory()
+        weights = self._weights_bytes()
+        config = self.config
+        activation = kv_sizing.estimate_activation_bytes(
+            config.model_config.hf_config, config.scheduler_config, self.dtype.itemsize
+        )
+        return kv_sizing.MemoryBreakdown(
+            device="cpu",
+            total_bytes=total,
+            gpu_memory_utilization=config.cache_config.gpu_memory_utilization,
+            weights_bytes=weights,
+            activation_peak_bytes=activation,
+            non_torch_bytes=max(total - available - weights, 0),
+            swap_bytes=swap_bytes,
+            bytes_per_block=per_block,
+            is_activation_measured=False,
+        )
+
+    def _profile_cuda(self, per_block: int) -> kv_sizing.MemoryBreakdown:
+        """Measure weights, the activation peak of the largest batch, and non-torch memory."""
+        assert self._baseline is not None
+        base_free, total, base_reserved, base_allocated = self._baseline
+        cache = self.config.cache_config
+        kv_sizing.check_device_free(base_free, total, cache.gpu_memory_utilization)
+        weights = torch.cuda.memory_allocated() - base_allocated
+        peak = self.profile_forward()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        # memory the process holds outside torch's allocator, grown since start-up
+        non_torch = (total - free - torch.cuda.memory_reserved()) - (
+            total - base_free - base_reserved
+        )
+        return kv_sizing.MemoryBreakdown(
+            device="cuda",
+            total_bytes=total,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            weights_bytes=weights,
+            activation_peak_bytes=peak,
+            non_torch_bytes=max(non_torch, 0),
+            swap_bytes=0,
+            bytes_per_block=per_block,
+            is_activation_measured=True,
+        )
+
+    @torch.inference_mode()
+    def profile_forward(self) -> int:
+        """Run the largest batches the scheduler can form on a throwaway cache.
+
+        Two shapes: max_num_batched_tokens spread over up to max_num_seqs fresh prompts, and
+        one chunk of that many tokens at the end of a max_model_len prompt (the widest
+        attention). Returns the peak activation bytes on CUDA (0 elsewhere: nothing to read).
+        """
+        sched = self.config.scheduler_config
+        num_tokens = sched.max_num_batched_tokens
+        num_seqs = min(sched.max_num_seqs, num_tokens)
+        chunk = min(num_tokens, sched.max_model_len)
+        # (context, new tokens) per sequence
+        base, extra = divmod(num_tokens, num_seqs)
+        spread = [base + (i < extra) for i in range(num_seqs)]
+        shapes = [[(0, n) for n in spread], [(sched.max_model_len - chunk, chunk)]]
+        bs = self.block_size
+        num_blocks = max(sum(-(-(c + n) // bs) for c, n in shape) for shape in shapes)
+        caches = [
+            torch.zeros((2, num_blocks, bs, self.num_kv_heads, self.head_dim), dtype=self.dtype,
+                        device=self.device)
+            for _ in range(self.num_layers)
+        ]  # fmt: skip
+        is_cuda = self.device == "cuda"
+        if is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if is_cuda else 0
+        for shape in shapes:
+            self._dummy_step(shape, caches)
+        if not is_cuda:
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    def _dummy_step(self, shape: list[tuple[int, int]], caches: list[torch.Tensor]) -> None:
+        plan, next_block = SchedulerOutput(), 0
+        for i, (context, num_new) in enumerate(shape):
+            req = Request(f"profile-{i}", [0] * (context + num_new), SamplingParams(temperature=0))
+            req.num_computed_tokens = context
+            num_blocks = -(-(context + num_new) // self.block_size)
+            plan.add(req, num_new, list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+        batch = self._prepare_inputs(plan)
+        with set_forward_context(batch.attn_metadata, caches):
+            hidden = self.model(batch.input_ids, batch.positions)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        self.sampler(logits, batch.sampling_reqs)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(
@@ -112,6 +221,7 @@ class ModelRunner:
             num_cpu_blocks,
             self.dtype,
             self.device,
+            use_triton_kernels=self.config.device_config.attention_backend == "triton",
         )
 
     # -- one step ----------------------------------------------------------------------------
@@ -183,19 +293,3 @@ class ModelRunner:
             sampling_reqs=sampling_reqs,
             logits_indices=tensor(logits_indices, torch.long),
         )
-
-
-def _device_memory(device: str) -> tuple[int, int]:
-    """(free, total) bytes of the device's memory; host memory when the device is the CPU."""
-    if device == "cuda":
-        free, total = torch.cuda.mem_get_info()
-        return int(free), int(total)
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            info[key] = int(value.split()[0]) * 1024
-    if "MemAvailable" in info:
-        return info["MemAvailable"], info["MemTotal"]
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return pages // 2, pages

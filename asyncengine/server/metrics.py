@@ -1,0 +1,236 @@
+"""Prometheus metrics of one server, served over HTTP on a port of their own (--metrics-port).
+
+Load gauges and the counters the engine already keeps are read from `get_stats()` when
+Prometheus scrapes (from the HTTP thread: plain reads of ints and list lengths). The step loop
+reports the rest through the `EngineObserver` calls: per step a few O(1) observations, and per
+finished request its latencies, computed from the request's own timings rather than per token.
+Every server has its own registry, so several can share one process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+import asyncengine
+from asyncengine.engine.async_llm_engine import AsyncLLMEngine, StepStats
+from asyncengine.outputs import RequestOutput
+from asyncengine.v1 import generation_pb2
+
+P = "asyncengine_"
+FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "aborted", "error")
+_FinishReason = generation_pb2.FinishReason
+# why the server aborted a request (Flight.abort_reason) -> the finished-request label
+_ABORT_LABELS: dict[int | None, str] = {
+    _FinishReason.TIME_LIMIT: "deadline",
+    _FinishReason.ABORTED_BY_SERVER: "aborted",
+}
+
+# seconds; wide ranges, as a CPU box and an H100 differ by orders of magnitude
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+_REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+_STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+
+
+class _EngineCollector(Collector):
+    """Gauges and engine-kept counters, read at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self._engine = engine
+        config = engine.engine.config
+        self._info = {
+            "model": config.model_config.model,
+            "architecture": config.model_config.architecture,
+            "dtype": config.model_config.dtype,
+            "device": config.device_config.device,
+            "block_size": str(config.cache_config.block_size),
+            "version": asyncengine.__version__,
+        }
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.get_stats()
+        info = GaugeMetricFamily(P + "info", "The served model and engine (value 1)",
+                                 labels=list(self._info))  # fmt: skip
+        info.add_metric(list(self._info.values()), 1)
+        yield info
+        for state, value in (
+            ("running", stats.num_running),
+            ("waiting", stats.num_waiting),
+            ("swapped", stats.num_swapped),
+        ):
+            yield GaugeMetricFamily(P + f"requests_{state}", f"Requests {state}", value=value)
+        usage = GaugeMetricFamily(
+            P + "block_usage_ratio",
+            "Used / total KV blocks per pool (gpu: the device pool, also on a CPU device; cpu: "
+            "the swap pool). Scale out on the gpu pool; alert above 0.85",
+            labels=["pool"],
+        )
+        usage.add_metric(["gpu"], stats.gpu_block_usage)
+        usage.add_metric(["cpu"], stats.cpu_block_usage)
+        yield usage
+        blocks = GaugeMetricFamily(P + "kv_blocks", "KV blocks per pool", labels=["pool"])
+        blocks.add_metric(["gpu"], stats.num_gpu_blocks)
+        blocks.add_metric(["cpu"], stats.num_cpu_blocks)
+        yield blocks
+        preemptions = CounterMetricFamily(
+            P + "preemptions", "Requests preempted, by mode", labels=["mode"]
+        )
+        preemptions.add_metric(["swap"], stats.num_preemptions_swap)
+        preemptions.add_metric(["recompute"], stats.num_preemptions_recompute)
+        yield preemptions
+        yield CounterMetricFamily(
+            P + "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=stats.num_prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            P + "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            value=stats.num_prefix_cache_hits,
+        )
+
+
+class ServerMetrics:
+    """The metrics of one server; an `EngineObserver` of its engine.
+
+    `abort_reason_of(request_id)` tells why the server aborted a request (Flight.abort_reason;
+    None: the client went away), so finished requests are counted by the right reason.
+    """
+
+    def __init__(
+        self, engine: AsyncLLMEngine, abort_reason_of: Callable[[str], int | None]
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self._abort_reason_of = abort_reason_of
+        self.port: int | None = None  # of the HTTP endpoint, once started
+        self._httpd: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        r = self.registry
+        r.register(_EngineCollector(engine))
+        self.prompt_tokens = Counter(
+            P + "prompt_tokens", "Prompt tokens of requests that ended (if ever scheduled)",
+            registry=r,
+        )  # fmt: skip
+        self.generation_tokens = Counter(
+            P + "generation_tokens", "Tokens sampled, counted per step", registry=r
+        )
+        self.swapped_blocks = Counter(
+            P + "swapped_blocks", "KV blocks moved between the pools", ["direction"], registry=r
+        )
+        self.requests_finished = Counter(
+            P + "requests_finished",
+            "Requests ended, by reason: stop (eos, stop string or token), length (max tokens or "
+            "context), cancelled (by the client or Control.Abort), deadline (time_limit_ms), "
+            "aborted (by the server: drain, shutdown), error",
+            ["reason"],
+            registry=r,
+        )
+        for reason in FINISH_REASONS:
+            self.requests_finished.labels(reason)
+        for direction in ("out", "in"):
+            self.swapped_blocks.labels(direction)
+        self.ttft = Histogram(
+            P + "time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            P + "inter_token_latency_seconds",
+            "Mean gap between a request's output tokens; one observation per finished request",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            P + "e2e_request_latency_seconds",
+            "Arrival to last token of requests finished by stop or length",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            P + "request_queue_time_seconds",
+            "Arrival to first scheduled",
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.schedule_time = Histogram(
+            P + "step_schedule_seconds", "Scheduler time per step", buckets=_STEP_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.forward_time = Histogram(
+            P + "step_forward_seconds",
+            "Block moves + forward + sampling per step",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.update_time = Histogram(
+            P + "step_update_seconds",
+            "Token appends, stop checks and detokenization per step",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+
+    # -- EngineObserver ----------------------------------------------------------------------
+
+    def on_step(self, stats: StepStats) -> None:
+        self.schedule_time.observe(stats.schedule_s)
+        self.forward_time.observe(stats.execute_s)
+        self.update_time.observe(stats.update_s)
+        if stats.num_generated_tokens:
+            self.generation_tokens.inc(stats.num_generated_tokens)
+        if stats.num_blocks_swapped_out:
+            self.swapped_blocks.labels("out").inc(stats.num_blocks_swapped_out)
+        if stats.num_blocks_swapped_in:
+            self.swapped_blocks.labels("in").inc(stats.num_blocks_swapped_in)
+
+    def on_request_done(self, request_id: str, output: RequestOutput | None) -> None:
+        reason = self._finish_label(request_id, output)
+        self.requests_finished.labels(reason).inc()
+        if output is None or output.metrics is None:
+            return
+        m = output.metrics
+        if m.first_scheduled_time is not None:
+            self.prompt_tokens.inc(len(output.prompt_token_ids))
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        if reason in ("stop", "length") and m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            num_tokens = max(len(c.token_ids) for c in output.outputs)
+            if num_tokens > 1:
+                self.itl.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
+
+    def _finish_label(self, request_id: str, output: RequestOutput | None) -> str:
+        if output is None or output.error is not None or not output.outputs:
+            return "error"
+        reason = output.outputs[0].finish_reason
+        if reason in ("stop", "length", "error"):
+            return reason
+        abort_reason = self._abort_reason_of(request_id)
+        return _ABORT_LABELS.get(abort_reason, "cancelled")
+
+    # -- the HTTP endpoint -------------------------------------------------------------------
+
+    def start_http(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0: a free port) in a daemon thread; the bound port."""
+        self._httpd, self._thread = start_http_server(port, host, registry=self.registry)
+        self.port = int(self._httpd.server_port)
+        return self.port
+
+    def close(self) -> None:
+        """Stop the HTTP endpoint (blocks up to half a second: call it off the event loop)."""
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None

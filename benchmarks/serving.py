@@ -1,0 +1,277 @@
+"""Serving benchmark: `asyncengine serve` under N concurrent gRPC streams.
+
+Starts the server as a subprocess on loopback, then for each concurrency runs a closed loop of N
+workers, each streaming one request after another (GenerateStream over grpc.aio), and reports
+output tokens/s, requests/s, time to first token and inter-token latency (p50, p99) as the client
+sees them.
+
+    python benchmarks/serving.py                          # a small random model, N = 1, 16, 64
+    python benchmarks/serving.py --model DIR --concurrency 1 8 --json
+    python benchmarks/serving.py --fake-runner            # the server's own cost, no model
+
+With --fake-runner the server scripts tokens instantly (a hidden `serve --fake-runner` flag), and
+the same load also runs in-process through `AsyncLLMEngine` with the same fake runner: the ratio
+of the two is what gRPC, the servicer and the client cost per token.
+
+ITL: each Delta's gap since the previous one, spread evenly over the tokens it carries (deltas
+merge tokens when the client is slower than the engine). The client runs in this process and
+shares the machine with the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from asyncengine.v1 import generation_pb2 as pb
+from asyncengine.v1 import generation_pb2_grpc
+
+SMALL_MODEL: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+@dataclass
+class Sample:
+    """What one request looked like from the client."""
+
+    ttft_s: float
+    e2e_s: float
+    num_tokens: int
+    itls: list[float] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """`asyncengine serve` on 127.0.0.1; stderr to a log file shown if it fails."""
+
+    def __init__(self, model: str, flags: list[str], log_dir: str) -> None:
+        self.port = free_port()
+        self.log_path = Path(log_dir) / f"server-{self.port}.log"
+        script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
+        command = [script, "serve"] if script else [sys.executable, "-m", "asyncengine.server.cli",
+                                                    "serve"]  # fmt: skip
+        command += ["--model", model, "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log, env=env)
+
+    def wait_serving(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited:\n{self.log_path.read_text()[-3000:]}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(self.log_path.read_text()[-3000:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+        self._log.close()
+
+
+def prompts(num: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(prompt_len)] for _ in range(num)]
+
+
+async def one_request(
+    stub: generation_pb2_grpc.GenerationStub, prompt: list[int], max_tokens: int
+) -> Sample:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingOptions(temperature=0.0),
+        stopping=pb.StoppingOptions(max_new_tokens=max_tokens, ignore_eos=True),
+    )
+    started = time.perf_counter()
+    first = last = None
+    num_tokens = 0
+    itls: list[float] = []
+    async for msg in stub.GenerateStream(request):
+        if msg.WhichOneof("event") != "delta":
+            continue
+        now = time.perf_counter()
+        new = msg.delta.completion_tokens - num_tokens
+        num_tokens = msg.delta.completion_tokens
+        if first is None:
+            first = now
+        elif last is not None and new:
+            itls += [(now - last) / new] * new
+        last = now
+    assert first is not None and last is not None and num_tokens == max_tokens, num_tokens
+    return Sample(first - started, last - started, num_tokens, itls)
+
+
+async def closed_loop(
+    target: str, concurrency: int, reqs: list[list[int]], max_tokens: int
+) -> dict[str, Any]:
+    """`concurrency` workers stream `reqs` one after another; the figures of the run."""
+    samples: list[Sample] = []
+    queue = list(reversed(reqs))
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await one_request(stub, reqs[0], 4)  # connect and warm up
+
+        async def worker() -> None:
+            while queue:
+                samples.append(await one_request(stub, queue.pop(), max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall_s = time.perf_counter() - started
+    return summarize(concurrency, samples, wall_s)
+
+
+def summarize(concurrency: int, samples: list[Sample], wall_s: float) -> dict[str, Any]:
+    ttfts = [s.ttft_s for s in samples]
+    itls = [x for s in samples for x in s.itls]
+    tokens = sum(s.num_tokens for s in samples)
+    return {
+        "concurrency": concurrency,
+        "requests": len(samples),
+        "output_tokens": tokens,
+        "wall_s": round(wall_s, 3),
+        "tokens_per_s": round(tokens / wall_s, 1),
+        "requests_per_s": round(len(samples) / wall_s, 2),
+        "ttft_p50_ms": round(percentile(ttfts, 50) * 1000, 2),
+        "ttft_p99_ms": round(percentile(ttfts, 99) * 1000, 2),
+        "itl_p50_ms": round(percentile(itls, 50) * 1000, 3),
+        "itl_p99_ms": round(percentile(itls, 99) * 1000, 3),
+        "e2e_p50_ms": round(percentile([s.e2e_s for s in samples], 50) * 1000, 1),
+    }
+
+
+async def in_process(
+    model: str, concurrency: int, reqs: list[list[int]], max_tokens: int, max_num_seqs: int
+) -> dict[str, Any]:
+    """The same closed loop through AsyncLLMEngine with the fake runner: no gRPC at all."""
+    from asyncengine import AsyncLLMEngine, EngineArgs, SamplingParams
+    from asyncengine.server.app import fake_engine
+
+    args = EngineArgs(model=model, device="cpu", max_num_seqs=max_num_seqs,
+                      num_gpu_blocks_override=4096, num_cpu_blocks_override=0)  # fmt: skip
+    engine = AsyncLLMEngine(fake_engine(args))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
+    queue, tokens, ids = list(reqs), 0, iter(range(10**9))
+
+    async def worker() -> None:
+        nonlocal tokens
+        while queue:
+            async for out in engine.generate(queue.pop(), params, request_id=f"r{next(ids)}"):  # noqa: B007
+                pass
+            tokens += len(out.outputs[0].token_ids)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall_s = time.perf_counter() - started
+    await engine.shutdown()
+    return {"concurrency": concurrency, "in_process_tokens_per_s": round(tokens / wall_s, 1)}
+
+
+def run(ns: argparse.Namespace, model: str, log_dir: str) -> list[dict[str, Any]]:
+    max_num_seqs = max(ns.concurrency)
+    flags = ["--device", "cpu", "--dtype", "float32", "--torch-threads", str(ns.threads),
+             "--max-num-seqs", str(max_num_seqs), "--max-queued-requests", "0",
+             "--max-model-len", str(ns.prompt_len + ns.max_tokens + 16),
+             "--log-level", "WARNING"]  # fmt: skip
+    if ns.fake_runner:
+        flags.append("--fake-runner")
+    from transformers import AutoConfig
+
+    vocab_size = int(AutoConfig.from_pretrained(model).vocab_size)
+    server = Server(model, flags, log_dir)
+    rows = []
+    try:
+        server.wait_serving()
+        for i, n in enumerate(ns.concurrency):
+            reqs = prompts(ns.requests_per_stream * n, ns.prompt_len, vocab_size, ns.seed + i)
+            row = asyncio.run(closed_loop(f"127.0.0.1:{server.port}", n, reqs, ns.max_tokens))
+            if ns.fake_runner:
+                local = asyncio.run(in_process(model, n, reqs, ns.max_tokens, max_num_seqs))
+                row["in_process_tokens_per_s"] = local["in_process_tokens_per_s"]
+                row["server_share"] = round(
+                    row["tokens_per_s"] / local["in_process_tokens_per_s"], 3
+                )
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    finally:
+        server.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="HF model directory (default: a random small Llama)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--requests-per-stream", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    parser.add_argument("--fake-runner", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    ns = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ns.model
+        if model is None:
+            from asyncengine.testing import make_random_model
+
+            model = str(make_random_model(Path(tmp) / "model", "llama", vocab_size=4096,
+                                          max_position_embeddings=2048, **SMALL_MODEL))  # fmt: skip
+        rows = run(ns, model, tmp)
+    config = {k: v for k, v in vars(ns).items() if k != "json"}
+    if ns.json:
+        print(json.dumps({"config": config, "results": rows}, indent=2))
+        return
+    mode = "fake runner" if ns.fake_runner else "model"
+    print(f"asyncengine serve ({mode}), {ns.prompt_len}-token prompts, {ns.max_tokens} tokens each")
+    head = ["N", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    keys = ["concurrency", "tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms",
+            "itl_p50_ms", "itl_p99_ms"]  # fmt: skip
+    if ns.fake_runner:
+        head += ["in-proc tok/s", "server/in-proc"]
+        keys += ["in_process_tokens_per_s", "server_share"]
+    print("  ".join(f"{h:>12}" for h in head) + "   (ms)")
+    for row in rows:
+        print("  ".join(f"{row[k]:>12}" for k in keys))
+
+
+if __name__ == "__main__":
+    main()
