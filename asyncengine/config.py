@@ -73,11 +73,20 @@ class EngineConfig:
     device_config: DeviceConfig
 
 
+def _default_model() -> str:
+    from asyncengine import default_model
+
+    return default_model.path()
+
+
 @dataclass
 class EngineArgs:
-    """The engine's knobs as users pass them (vLLM's names). See `create_engine_config`."""
+    """The engine's knobs as users pass them (vLLM's names). See `create_engine_config`.
 
-    model: str
+    `model` defaults to the small model bundled with the package (`asyncengine.default_model`).
+    """
+
+    model: str = dataclasses.field(default_factory=_default_model)
     tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"

@@ -19,14 +19,17 @@ Prompt = str | list[int]
 class LLM:
     """Generate for a list of prompts at once: `LLM(model=path).generate(prompts, params)`.
 
-    Any `EngineArgs` field may be passed as a keyword argument.
+    Any `EngineArgs` field may be passed as a keyword argument; without `model`, the bundled
+    default model is used.
     """
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        if model is not None:
+            engine_args["model"] = model
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
         self._counter = itertools.count()
 
     def generate(
