@@ -13,7 +13,8 @@ from asyncengine.server.options import add_serve_args
 
 # what each EngineArgs field does, for --help (defaults are printed from EngineArgs itself)
 ENGINE_ARG_HELP = {
-    "model": "local Hugging Face model directory (or hub id where a network exists)",
+    "model": "local Hugging Face model directory, or hub id where a network exists (default: "
+    "the small model bundled with asyncengine)",
     "tokenizer": "tokenizer directory when it differs from --model",
     "dtype": "weights and KV cache dtype: auto, float32, float16, bfloat16 (auto: float32 on CPU)",
     "device": "auto, cuda or cpu",
@@ -47,11 +48,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
             continue
         kind: Any = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-        parser.add_argument(flag, type=kind, default=default, required=f.name == "model", help=text)
+        parser.add_argument(flag, type=kind, default=default, help=text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
+    if values["model"] is None:  # EngineArgs' own default: the bundled model
+        del values["model"]
+    return EngineArgs(**values)
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -1,0 +1,73 @@
+"""The README's quick start, run as written: serve the default model, stream from the client CLI,
+and get exactly the output the README shows."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+ACTIVATE = ". .venv/bin/activate && "  # the venv is already active in the test process
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_the_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
+    setup, tests = code_blocks("bash")
+    assert len(setup.strip().splitlines()) == 1 and len(tests.strip().splitlines()) == 1
+    assert setup.strip().endswith("asyncengine serve")
+    test_command = tests.strip().removeprefix(ACTIVATE)
+    assert test_command in (ROOT / ".ci" / "run").read_text()
+
+
+def wait_serving(target: str, process: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert process.poll() is None, "the server exited"
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.5)
+    raise AssertionError("the server did not become SERVING")
+
+
+@pytest.fixture(scope="module")
+def served() -> object:
+    serve = code_blocks("bash")[0].strip().rsplit("&&", 1)[1].strip()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        shlex.split(serve), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        wait_serving("localhost:50051", process)
+        yield process
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def test_the_quick_start_streams_what_the_readme_shows(served: object) -> None:
+    (console,) = code_blocks("console")
+    first, *shown = console.splitlines()
+    command = first.removeprefix("$ ").removeprefix(ACTIVATE)
+    result = subprocess.run(
+        command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert (result.stdout + result.stderr).splitlines() == shown
+    assert re.search(r"[A-Za-z]{3,} [A-Za-z]{3,}", result.stdout)  # words, not byte soup
