@@ -34,7 +34,7 @@ class AttentionMetadata:
     num_decodes: int
     max_seq_len: int
     # values every layer would compute alike (e.g. the decode mask), computed by the first
-    scratch: dict[Any, torch.Tensor] = field(default_factory=dict)
+    scratch: dict[Any, Any] = field(default_factory=dict)
 
 
 @dataclass

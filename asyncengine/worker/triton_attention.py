@@ -24,15 +24,11 @@ class _KernelMetadata:
     prefill_query_start_loc: torch.Tensor | None
 
 
-# every layer of one forward sees the same metadata object: keep its derived tensors
-_cached: tuple[AttentionMetadata, _KernelMetadata] | None = None
-
-
 def _kernel_metadata(meta: AttentionMetadata) -> _KernelMetadata:
-    global _cached
-    cached = _cached  # one read: engines in other threads may replace it meanwhile
-    if cached is not None and cached[0] is meta:
-        return cached[1]
+    # every layer of one forward sees the same metadata: derive once, keep it in its scratch
+    cached = meta.scratch.get("triton")
+    if cached is not None:
+        return cached
     nd = meta.num_decodes
     starts = None
     if len(meta.context_lens) > nd:
@@ -43,7 +39,7 @@ def _kernel_metadata(meta: AttentionMetadata) -> _KernelMetadata:
             device=meta.seq_lens.device,
         )
     derived = _KernelMetadata(max(meta.seq_lens_list[:nd], default=0), starts)
-    _cached = (meta, derived)
+    meta.scratch["triton"] = derived
     return derived
 
 
