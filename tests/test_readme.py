@@ -1,5 +1,9 @@
 """The README's quick start, run as written: serve the default model, stream from the client CLI,
-and get exactly the output the README shows."""
+and get exactly the output the README shows.
+
+The one change: the server gets a free port (and the client a matching --target), since the
+README's own server may well be running on 50051 while its reader runs these tests.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,10 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -47,25 +53,36 @@ def wait_serving(target: str, process: subprocess.Popen[bytes], timeout: float =
     raise AssertionError("the server did not become SERVING")
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
-def served() -> object:
+def served() -> Iterator[int]:
     serve = code_blocks("bash")[0].strip().rsplit("&&", 1)[1].strip()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        shlex.split(serve), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        [*shlex.split(serve), "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
-        wait_serving("localhost:50051", process)
-        yield process
+        wait_serving(f"localhost:{port}", process)
+        yield port
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
 
-def test_the_quick_start_streams_what_the_readme_shows(served: object) -> None:
+def test_the_quick_start_streams_what_the_readme_shows(served: int) -> None:
     (console,) = code_blocks("console")
     first, *shown = console.splitlines()
-    command = first.removeprefix("$ ").removeprefix(ACTIVATE)
+    command = first.removeprefix("$ ").removeprefix(ACTIVATE) + f" --target localhost:{served}"
     result = subprocess.run(
         command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )
