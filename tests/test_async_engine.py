@@ -198,7 +198,11 @@ def test_engine_fault_ends_every_stream_with_engine_dead_error(model_dir) -> Non
 
 def test_bad_requests_fail_alone(model_dir) -> None:
     engine = make_engine(
-        model_dir("llama"), max_model_len=64, num_gpu_blocks_override=6, block_size=8
+        model_dir("llama"),
+        max_model_len=64,
+        num_gpu_blocks_override=6,
+        block_size=8,
+        max_num_seqs=4,
     )
     good = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -210,6 +214,8 @@ def test_bad_requests_fail_alone(model_dir) -> None:
             await collect(engine, list(range(3, 60)), good, "never-fits")
         with pytest.raises(InvalidRequestError, match="empty"):
             await collect(engine, "", good, "empty")
+        with pytest.raises(InvalidRequestError, match=r"n \(5\) exceeds max_num_seqs \(4\)"):
+            await collect(engine, "hi", SamplingParams(n=5, max_tokens=4), "too-many-samples")
         first = engine.generate(KOREAN_PROMPTS[1], good, request_id="dup")
         await first.__anext__()
         with pytest.raises(DuplicateRequestError):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import pytest
 
 from asyncengine import LLM, AsyncLLMEngine, SamplingParams
+from asyncengine.core.scheduler import SchedulerOutput
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -76,6 +78,45 @@ def test_greedy_samples_all_match_hf_even_under_preemption(model_dir, hf_greedy,
         assert [c.token_ids for c in out.outputs] == [expected] * 3
     stats = llm.get_stats()
     assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+
+
+def test_sampled_groups_swapped_out_under_pressure_generate_what_they_would_unpressed(model_dir):
+    # the samples part ways, so each one's private blocks and the blocks they share must all
+    # survive being swapped out and back in as a group, on the real KV cache
+    prompts = [PROMPT, "양자역학 설명해줄래?"]
+    params = SamplingParams(n=4, temperature=1.0, seed=SEED, max_tokens=48, ignore_eos=True)
+    roomy = make_llm(model_dir).generate(prompts, params, use_tqdm=False)
+
+    pressed = make_llm(
+        model_dir,
+        num_gpu_blocks_override=16,
+        num_cpu_blocks_override=64,
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+    )
+    scheduler, bm = pressed.llm_engine.scheduler, pressed.llm_engine.block_manager
+    schedule = scheduler.schedule
+    group_swaps = []  # (blocks copied, block-table entries moved) of each step swapping a group
+
+    def schedule_and_record() -> SchedulerOutput:
+        plan = schedule()
+        if max(Counter(r.group_id for r in plan.preempted).values(), default=0) > 1:
+            num_entries = sum(len(bm.cpu_block_tables[r.request_id]) for r in plan.preempted)
+            group_swaps.append((len(plan.blocks_to_swap_out), num_entries))
+        return plan
+
+    scheduler.schedule = schedule_and_record  # type: ignore[method-assign]
+    outs = pressed.generate(prompts, params, use_tqdm=False)
+
+    assert group_swaps, "no group of samples was swapped out together"
+    # the blocks the samples share were copied once each
+    assert all(num_copied < num_entries for num_copied, num_entries in group_swaps)
+    for out, expected in zip(outs, roomy):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expected.outputs]
+    stats = pressed.get_stats()
+    assert stats.num_preemptions_recompute == 0
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
     assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
+from collections.abc import Iterable
 from typing import Protocol
 
 from asyncengine.core.block_pool import BlockPool, NoFreeBlocksError
@@ -42,6 +43,7 @@ class Sequence(Protocol):
     request_id: str
     token_ids: list[int]
     cache_salt: str | None
+    num_computed_tokens: int  # K/V up to here is in the cache; writes start here
 
     @property
     def num_tokens(self) -> int: ...
@@ -166,27 +168,36 @@ class BlockSpaceManager:
 
     # -- growth and sharing ------------------------------------------------------------------
 
-    def _num_blocks_to_append(self, seq: Sequence, first_written: int) -> int:
-        table = self.block_tables[seq.request_id]
-        num_cow = sum(
-            1 for b in table[first_written // self.block_size :] if self.gpu_pool.ref_counts[b] > 1
-        )
-        return max(0, self.num_blocks_for(seq.num_tokens) - len(table)) + num_cow
+    def _num_blocks_to_grow(
+        self, seqs: Iterable[Sequence], tables: dict[str, list[int]], ref_counts: Counter[int]
+    ) -> int:
+        """Blocks `seqs` take from the pool to write from their first uncomputed slot on.
 
-    def can_append_slot(self, seq: Sequence, num_computed_tokens: int | None = None) -> bool:
-        """Whether the table can grow to cover every token of `seq`.
-
-        `num_computed_tokens` (default: all but the last token) marks the first slot written
-        this step; shared blocks from there on need a private copy.
+        One per missing logical block, and a private copy of each shared block written to,
+        except for its last writer, who holds it alone by then (`ref_counts`: holders now).
         """
-        start = seq.num_tokens - 1 if num_computed_tokens is None else num_computed_tokens
-        return self._num_blocks_to_append(seq, start) <= self.gpu_pool.num_free
+        num_new = 0
+        writers: Counter[int] = Counter()
+        for seq in seqs:
+            table = tables[seq.request_id]
+            num_new += max(0, self.num_blocks_for(seq.num_tokens) - len(table))
+            writers.update(live(table[seq.num_computed_tokens // self.block_size :]))
+        return num_new + sum(min(n, ref_counts[block] - 1) for block, n in writers.items())
 
-    def append_slot(
-        self, seq: Sequence, num_computed_tokens: int | None = None
-    ) -> list[tuple[int, int]]:
+    def can_append_slot(self, *seqs: Sequence) -> bool:
+        """Whether the tables of `seqs` can all grow at once to cover their tokens.
+
+        Writing starts at each one's first uncomputed slot; a shared block there needs a
+        private copy first (copy-on-write).
+        """
+        ref_counts = Counter({b: self.gpu_pool.ref_counts[b] for s in seqs for b in self._live(s)})
+        return (
+            self._num_blocks_to_grow(seqs, self.block_tables, ref_counts) <= self.gpu_pool.num_free
+        )
+
+    def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
         """Grow the table to cover every token; return copy-on-write (src, dst) pairs."""
-        start = seq.num_tokens - 1 if num_computed_tokens is None else num_computed_tokens
+        start = seq.num_computed_tokens
         table = self.block_tables[seq.request_id]
         if self.sliding_window is not None:
             self._release_outside_window(table, start)
@@ -219,46 +230,61 @@ class BlockSpaceManager:
         if parent.request_id in self.block_hashes:
             self.block_hashes[child.request_id] = list(self.block_hashes[parent.request_id])
 
+    def _live(self, seq: Sequence) -> list[int]:
+        return live(self.block_tables[seq.request_id])
+
     # -- swapping ----------------------------------------------------------------------------
+    # Requests swap as a group (the samples of one request): a block they share moves once and
+    # stays shared on the other side, so swapping never costs a group its sharing.
 
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(live(self.block_tables[seq.request_id])) <= self.cpu_pool.num_free
+    def can_swap_out(self, *seqs: Sequence) -> bool:
+        """Whether the CPU pool has room for the blocks of `seqs`, each shared block once."""
+        blocks = {block for seq in seqs for block in self._live(seq)}
+        return len(blocks) <= self.cpu_pool.num_free
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq`'s blocks to the CPU pool; return (gpu, cpu) pairs to copy."""
+    def swap_out(self, *seqs: Sequence) -> list[tuple[int, int]]:
+        """Move the blocks of `seqs` to the CPU pool; return (gpu, cpu) pairs to copy."""
         return self._move(
-            seq, self.block_tables, self.cpu_block_tables, self.gpu_pool, self.cpu_pool
+            seqs, self.block_tables, self.cpu_block_tables, self.gpu_pool, self.cpu_pool
         )
 
-    def can_swap_in(self, seq: Sequence) -> AllocStatus:
-        """Like `can_allocate` for a resumed request: no watermark (see there)."""
-        table = self.cpu_block_tables[seq.request_id]
-        num_new = self.num_blocks_for(seq.num_tokens) - len(table)
-        return self._fit(len(live(table)) + num_new, watermark=0)
+    def can_swap_in(self, *seqs: Sequence) -> AllocStatus:
+        """Like `can_allocate` for resumed requests (no watermark, see there): room for the
+        blocks of `seqs`, each shared block once, and for what they write next step."""
+        tables = [live(self.cpu_block_tables[seq.request_id]) for seq in seqs]
+        ref_counts = Counter(block for table in tables for block in table)
+        num_grow = self._num_blocks_to_grow(seqs, self.cpu_block_tables, ref_counts)
+        return self._fit(len(ref_counts) + num_grow, watermark=0)
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move `seq`'s blocks back to the GPU pool; return (cpu, gpu) pairs to copy."""
+    def swap_in(self, *seqs: Sequence) -> list[tuple[int, int]]:
+        """Move the blocks of `seqs` back to the GPU pool; return (cpu, gpu) pairs to copy."""
         pairs = self._move(
-            seq, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.gpu_pool
+            seqs, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.gpu_pool
         )
-        # the new device blocks hold the same content: index them again
-        hashes = self.block_hashes.pop(seq.request_id, [])
-        self.mark_computed(seq, len(hashes) * self.block_size)
+        for seq in seqs:
+            # the new device blocks hold the same content: index them again
+            hashes = self.block_hashes.pop(seq.request_id, [])
+            self.mark_computed(seq, len(hashes) * self.block_size)
         return pairs
 
     @staticmethod
     def _move(
-        seq: Sequence,
+        seqs: Iterable[Sequence],
         src_tables: dict[str, list[int]],
         dst_tables: dict[str, list[int]],
         src_pool: BlockPool,
         dst_pool: BlockPool,
     ) -> list[tuple[int, int]]:
-        src_table = src_tables.pop(seq.request_id)
-        moved = {block: dst_pool.allocate() for block in live(src_table)}
-        for block in moved:
-            src_pool.decref(block)
-        dst_tables[seq.request_id] = [moved.get(block, RELEASED) for block in src_table]
+        moved: dict[int, int] = {}  # src block -> its dst copy, shared like the src was
+        for seq in seqs:
+            src_table = src_tables.pop(seq.request_id)
+            for block in live(src_table):
+                if block in moved:
+                    dst_pool.incref(moved[block])
+                else:
+                    moved[block] = dst_pool.allocate()
+                src_pool.decref(block)
+            dst_tables[seq.request_id] = [moved.get(block, RELEASED) for block in src_table]
         return list(moved.items())
 
     # -- release and queries -----------------------------------------------------------------

@@ -65,7 +65,8 @@ class Scheduler:
         self.running = _Queue()
         self.swapped = _Queue()
         self.requests: dict[str, Request] = {}
-        self.num_preemptions: Counter[str] = Counter()  # by mode: "swap" | "recompute"
+        # preempted requests, by mode: "swap" | "recompute"
+        self.num_preemptions: Counter[str] = Counter()
         # a sequence stops at max_model_len, or when it fills the whole cache: it could
         # never grow further, and preempting it would not help (a sliding window frees
         # blocks as it moves, so there the cache is no limit)
@@ -126,55 +127,59 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
         queue = list(self.running)
         while queue and budget.has_room:
-            req = queue.pop(0)
-            while not self.block_manager.can_append_slot(req, req.num_computed_tokens):
-                victim = queue.pop() if queue else req
-                self._preempt(victim, out)
-                if victim is req:
+            # the samples of one request grow together or are preempted together
+            group = _pop_group(queue, 0)
+            while not self.block_manager.can_append_slot(*group):
+                victims = _pop_group(queue, -1) if queue else group
+                self._preempt(victims, out)
+                if victims is group:
                     break
             else:
-                # leave one token per later running request so decodes never stall behind a
-                # long chunked prefill
-                num_tokens = budget.take(req, reserve=len(queue))
-                if num_tokens == 0:
-                    continue
-                out.blocks_to_copy += self.block_manager.append_slot(req, req.num_computed_tokens)
-                out.add(req, num_tokens, self.block_manager.get_block_table(req))
+                for i, req in enumerate(group):
+                    # leave one token per later running request so decodes never stall
+                    # behind a long chunked prefill
+                    num_tokens = budget.take(req, reserve=len(queue) + len(group) - i - 1)
+                    if num_tokens == 0:
+                        continue
+                    out.blocks_to_copy += self.block_manager.append_slot(req)
+                    out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.swapped and self._has_room(budget, self.swapped[0]):
-            req = self.swapped[0]
-            if self.block_manager.can_swap_in(req) is not AllocStatus.OK:
+        while self.swapped:
+            group = _pop_group(list(self.swapped), 0)
+            if not self._has_room(budget, group):
+                break
+            if self.block_manager.can_swap_in(*group) is not AllocStatus.OK:
                 if self.running:
                     break
                 # nothing runs that could ever free blocks: recompute so we make progress
-                self.swapped.pop(0)
-                self._recompute(req)
+                for req in group:
+                    self.swapped.remove(req)
+                    self._recompute(req)
                 continue
-            self.swapped.pop(0)
-            out.blocks_to_swap_in += self.block_manager.swap_in(req)
-            out.blocks_to_copy += self.block_manager.append_slot(req, req.num_computed_tokens)
-            req.status = RequestStatus.RUNNING
-            self.running.insert_sorted(req)
-            num_tokens = budget.take(req, reserve=0)
-            out.add(req, num_tokens, self.block_manager.get_block_table(req))
+            out.blocks_to_swap_in += self.block_manager.swap_in(*group)
+            for req in group:
+                self.swapped.remove(req)
+                out.blocks_to_copy += self.block_manager.append_slot(req)
+                req.status = RequestStatus.RUNNING
+                self.running.insert_sorted(req)
+                num_tokens = budget.take(req, reserve=0)
+                if num_tokens:
+                    out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.waiting and self._has_room(budget, self.waiting[0]):
+        while self.waiting and budget.has_room:
             req = self.waiting[0]
             status = self._can_admit(req)
-            if status is AllocStatus.LATER:
-                break
-            self.waiting.pop(0)
             if status is AllocStatus.NEVER:
-                req.error = (
-                    f"request needs {req.num_tokens} tokens of KV cache, but the cache holds "
-                    f"{self.block_manager.num_gpu_blocks * self.block_manager.block_size} tokens "
-                    f"and max_model_len is {self.config.max_model_len}"
-                )
+                self.waiting.pop(0)
+                req.error = self._why_never(req)
                 self.finish_request(req, RequestStatus.FINISHED_IGNORED)
                 out.rejected.append(req)
                 continue
+            if status is AllocStatus.LATER or not self._has_room(budget, [req]):
+                break
+            self.waiting.pop(0)
             num_cached = self.block_manager.allocate(req)
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
@@ -189,9 +194,9 @@ class Scheduler:
             num_tokens = budget.take(req, reserve=0)
             out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
-    def _has_room(self, budget: _Budget, req: Request) -> bool:
+    def _has_room(self, budget: _Budget, group: list[Request]) -> bool:
         # a request's forked samples will need running slots of their own
-        num_seqs = 1 + req.num_pending_samples
+        num_seqs = sum(1 + req.num_pending_samples for req in group)
         return budget.has_room and len(self.running) + num_seqs <= self.config.max_num_seqs
 
     def _fork_samples(self, parent: Request) -> None:
@@ -207,29 +212,47 @@ class Scheduler:
     def _can_admit(self, req: Request) -> AllocStatus:
         if req.num_tokens > self.config.max_model_len:
             return AllocStatus.NEVER
+        if 1 + req.num_pending_samples > self.config.max_num_seqs:
+            return AllocStatus.NEVER  # its samples could never run at once
         return self.block_manager.can_allocate(req, is_resumed=req.num_preemptions > 0)
+
+    def _why_never(self, req: Request) -> str:
+        num_seqs = 1 + req.num_pending_samples
+        if num_seqs > self.config.max_num_seqs:
+            return f"n ({num_seqs}) exceeds max_num_seqs ({self.config.max_num_seqs})"
+        bm = self.block_manager
+        return (
+            f"request needs {req.num_tokens} tokens of KV cache, but the cache holds "
+            f"{bm.num_gpu_blocks * bm.block_size} tokens "
+            f"and max_model_len is {self.config.max_model_len}"
+        )
 
     # -- preemption --------------------------------------------------------------------------
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-        self.running.remove(victim)
-        victim.num_preemptions += 1
-        out.preempted.append(victim)
-        if self._should_swap(victim):
-            out.blocks_to_swap_out += self.block_manager.swap_out(victim)
-            victim.status = RequestStatus.SWAPPED
-            self.swapped.insert_sorted(victim)
-            self.num_preemptions["swap"] += 1
-        else:
-            self._recompute(victim)
-            self.num_preemptions["recompute"] += 1
+    def _preempt(self, victims: list[Request], out: SchedulerOutput) -> None:
+        """Swap out or recompute `victims`: one request, or the running samples of one."""
+        mode = "swap" if self._should_swap(victims) else "recompute"
+        if mode == "swap":
+            out.blocks_to_swap_out += self.block_manager.swap_out(*victims)
+        for victim in victims:
+            self.running.remove(victim)
+            victim.num_preemptions += 1
+            out.preempted.append(victim)
+            if mode == "swap":
+                victim.status = RequestStatus.SWAPPED
+                self.swapped.insert_sorted(victim)
+            else:
+                self._recompute(victim)
+        self.num_preemptions[mode] += len(victims)
 
-    def _should_swap(self, victim: Request) -> bool:
+    def _should_swap(self, victims: list[Request]) -> bool:
         mode = self.config.preemption_mode
-        if mode == "recompute" or not self.block_manager.can_swap_out(victim):
+        if mode == "recompute" or not self.block_manager.can_swap_out(*victims):
             return False
-        # auto: with less than a block computed there is nothing worth moving; recompute it
-        return mode == "swap" or victim.num_computed_tokens >= self.block_manager.block_size
+        # auto: samples sharing blocks would lose the sharing if recomputed; a lone request
+        # with less than a block computed has nothing worth moving
+        block_size = self.block_manager.block_size
+        return mode == "swap" or len(victims) > 1 or victims[0].num_computed_tokens >= block_size
 
     def _recompute(self, req: Request) -> None:
         """Drop `req`'s K/V; it re-prefills prompt and outputs so far when readmitted."""
@@ -281,6 +304,15 @@ class Scheduler:
         if req.num_tokens >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _pop_group(queue: list[Request], index: int) -> list[Request]:
+    """Pop the request at `index` (0 or -1) of `queue` with its sibling samples next to it
+    (siblings share a sort key, so they sit together), in queue order."""
+    group = [queue.pop(index)]
+    while queue and queue[index].group_id == group[0].group_id:
+        group.append(queue.pop(index))
+    return group if index == 0 else group[::-1]
 
 
 class _Budget:

@@ -113,6 +113,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt is {len(prompt_token_ids)} tokens, longer than max_model_len ({max_len})"
             )
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if sampling_params.n > max_num_seqs:
+            raise InvalidRequestError(
+                f"n ({sampling_params.n}) exceeds max_num_seqs ({max_num_seqs}): the samples "
+                "run at once, one sequence each"
+            )
         req = Request(
             request_id,
             prompt_token_ids,

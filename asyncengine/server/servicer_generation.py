@@ -50,6 +50,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._tokenizer = self._llm.tokenizer
         self._max_model_len = self._llm.config.model_config.max_model_len
         self._block_size = self._llm.config.cache_config.block_size
+        self._max_num_seqs = self._llm.config.scheduler_config.max_num_seqs
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -182,6 +183,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         if params.n != 1 and prefix:  # a batch result has room for one sample per prompt
             raise InvalidFieldError("sampling.n", "n > 1 is supported by GenerateStream only")
+        if params.n > self._max_num_seqs:  # the samples run at once, one sequence each
+            raise InvalidFieldError(
+                "sampling.n", f"must be <= the server's max_num_seqs ({self._max_num_seqs})"
+            )
         time_limit_ms = request.stopping.time_limit_ms
         return Flight(
             request_id=request_id,

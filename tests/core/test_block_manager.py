@@ -16,6 +16,10 @@ class Seq:
     request_id: str
     num_tokens: int
 
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.num_tokens - 1  # decoding: only the newest token's K/V is missing
+
 
 def create_block_manager(
     block_size: int = 4, num_gpu_blocks: int = 8, num_cpu_blocks: int = 8, watermark: float = 0.0
@@ -228,6 +232,84 @@ def test_can_swap_in_counts_the_block_the_next_token_needs():
     assert bm.can_swap_in(seq) is AllocStatus.LATER
     seq.num_tokens = 17
     assert bm.can_swap_in(seq) is AllocStatus.NEVER
+
+
+def forked_group(bm, num_samples: int, num_tokens: int) -> list[Seq]:
+    """A request of `num_tokens` and `num_samples - 1` samples forked from it, all decoding."""
+    group = [allocated(bm, "s0", num_tokens)]
+    for i in range(1, num_samples):
+        group.append(Seq(f"s{i}", num_tokens))
+        bm.fork(group[0], group[-1])
+    return group
+
+
+def test_a_group_swaps_out_and_in_with_each_shared_block_moved_once_and_still_shared():
+    bm = create_block_manager(num_gpu_blocks=8, num_cpu_blocks=8)
+    group = forked_group(bm, 3, 6)  # blocks [0, 1] held by three tables
+    gpu_table = list(bm.get_block_table(group[0]))
+    assert bm.can_swap_out(*group)
+
+    out_pairs = bm.swap_out(*group)
+    bm.check_invariants()
+    assert [gpu for gpu, _ in out_pairs] == gpu_table  # two copies, not six
+    cpu_table = [cpu for _, cpu in out_pairs]
+    assert all(bm.cpu_block_tables[s.request_id] == cpu_table for s in group)
+    assert [bm.cpu_pool.ref_counts[b] for b in cpu_table] == [3, 3]
+    assert bm.get_num_free_gpu_blocks() == 8 and bm.get_num_free_cpu_blocks() == 6
+
+    in_pairs = bm.swap_in(*group)
+    bm.check_invariants()
+    assert [cpu for cpu, _ in in_pairs] == cpu_table
+    new_table = [gpu for _, gpu in in_pairs]
+    assert all(bm.get_block_table(s) == new_table for s in group)
+    assert bm.get_num_free_gpu_blocks() == 6 and bm.get_num_free_cpu_blocks() == 8
+
+
+def test_a_group_fits_the_cpu_pool_by_its_distinct_blocks():
+    bm = create_block_manager(num_gpu_blocks=8, num_cpu_blocks=2)
+    group = forked_group(bm, 4, 8)  # 2 distinct blocks, 8 block-table entries
+    assert bm.can_swap_out(*group)
+    assert not bm.can_swap_out(*group, allocated(bm, "other", 1))
+
+
+def test_can_swap_in_counts_each_copy_the_group_will_write_and_no_more():
+    # two samples decoding into their shared, half-full last block: the first to write copies
+    # it, the second then holds it alone, so swapping in takes 2 blocks + 1 copy
+    bm = create_block_manager(num_gpu_blocks=3)
+    group = forked_group(bm, 2, 6)
+    bm.swap_out(*group)
+    for seq in group:
+        seq.num_tokens = 7
+    assert bm.can_swap_in(*group) is AllocStatus.OK
+    bm.swap_in(*group)
+    copies = [pair for seq in group for pair in bm.append_slot(seq)]
+    bm.check_invariants()
+    assert len(copies) == 1 and bm.get_num_free_gpu_blocks() == 0
+
+    # three samples: two copies
+    bm = create_block_manager(num_gpu_blocks=4)
+    group = forked_group(bm, 3, 6)
+    bm.swap_out(*group)
+    for seq in group:
+        seq.num_tokens = 7
+    assert bm.can_swap_in(*group) is AllocStatus.OK
+    filler = allocated(bm, "filler", 1)
+    assert bm.can_swap_in(*group) is AllocStatus.LATER
+    bm.free(filler)
+    for seq in group:
+        seq.num_tokens = 9  # each writes into a third block of its own: 2 + 3 > 4
+    assert bm.can_swap_in(*group) is AllocStatus.NEVER
+
+
+def test_can_append_slot_of_a_group_counts_its_shared_writes_together():
+    bm = create_block_manager(num_gpu_blocks=4)
+    group = forked_group(bm, 3, 6)
+    for seq in group:
+        seq.num_tokens = 7
+    assert all(bm.can_append_slot(seq) for seq in group)  # one at a time: one copy each
+    assert bm.can_append_slot(*group)  # all three: two copies, and 2 blocks are free
+    allocated(bm, "filler", 1)
+    assert bm.can_append_slot(group[0]) and not bm.can_append_slot(*group)
 
 
 def test_free_of_a_swapped_request_frees_its_cpu_blocks():

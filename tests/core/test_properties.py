@@ -1,20 +1,23 @@
 """Random workloads: invariants after every step, every request ends, no token lost to preemption.
 
 Each example draws a small cache and budget, a preemption mode, and requests that arrive over
-several steps with random prompt lengths, max_tokens, priorities and aborts (before a step or
-while it runs). `max_model_len` never exceeds the cache, as an engine must ensure: an admitted
+several steps with random prompt lengths, max_tokens, priorities, numbers of samples (n) and
+aborts (before a step or while it runs). Every step also runs on a shadow KV cache that checks
+each request reads its own tokens' K/V through its block table (see `run_step`).
+`max_model_len` never exceeds the cache, as an engine must ensure: an admitted
 request can always fit again once it has the cache to itself.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import Request, RequestStatus, sample_request_id
 from asyncengine.core.scheduler import Scheduler
 
 from .utils import (
@@ -24,6 +27,9 @@ from .utils import (
     make_request,
     run_step,
 )
+
+FINISHED_ABORTED = RequestStatus.FINISHED_ABORTED
+FINISHED_IGNORED = RequestStatus.FINISHED_IGNORED
 
 PROPERTY_SETTINGS = settings(
     max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -39,13 +45,18 @@ class RequestSpec:
     prompt_len: int
     max_tokens: int | None
     priority: int
+    n: int
     abort_step: int | None
     is_abort_mid_step: bool
 
     def make(self) -> Request:
         return make_request(
-            self.request_id, self.prompt_len, self.max_tokens, priority=self.priority
+            self.request_id, self.prompt_len, self.max_tokens, priority=self.priority, n=self.n
         )
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [sample_request_id(self.request_id, i) for i in range(self.n)]
 
 
 @st.composite
@@ -88,6 +99,9 @@ def workloads(draw: st.DrawFn, max_model_len: int, with_aborts: bool) -> list[Re
                 ),
                 max_tokens=draw(st.none() | st.integers(1, 32)),
                 priority=draw(st.integers(0, 2)),
+                # samples share the prompt's blocks (fork, copy-on-write) and are preempted,
+                # swapped and resumed as a group
+                n=draw(st.sampled_from([1, 1, 2, 3])),
                 abort_step=abort_step,
                 is_abort_mid_step=draw(st.booleans()),
             )
@@ -102,7 +116,10 @@ def max_steps_for(specs: list[RequestSpec], max_model_len: int) -> int:
 
 
 def simulate(scheduler: Scheduler, specs: list[RequestSpec]) -> dict[str, Request]:
-    """Feed `specs` to `scheduler` step by step until every request has ended."""
+    """Feed `specs` to `scheduler` step by step until every request has ended.
+
+    Returns every sample of every request by its scheduler id (`id`, `id#1`, ...).
+    """
     max_model_len = scheduler.config.max_model_len
     max_steps = max_steps_for(specs, max_model_len)
     pending = sorted(specs, key=lambda s: s.arrival_step)
@@ -112,22 +129,33 @@ def simulate(scheduler: Scheduler, specs: list[RequestSpec]) -> dict[str, Reques
         assert step < max_steps, f"not done after {max_steps} steps: {scheduler.requests}"
         while pending and pending[0].arrival_step <= step:
             req = pending.pop(0).make()
-            requests[req.request_id] = req
             scheduler.add_request(req)
+        requests.update(scheduler.requests)
         mid_step_aborts = []
         for spec in specs:
-            req = requests.get(spec.request_id)
-            if spec.abort_step != step or req is None:
+            if spec.abort_step != step or spec.request_id not in requests:
                 continue
-            was_finished = req.is_finished
-            if not was_finished:
-                event(f"aborted {'during a step' if spec.is_abort_mid_step else req.status.name}")
-            if spec.is_abort_mid_step:
-                mid_step_aborts.append(spec.request_id)
-                continue
-            assert (scheduler.abort_request(spec.request_id) is None) == was_finished
-            assert req.status is RequestStatus.FINISHED_ABORTED or was_finished
-        run_step(scheduler, abort_during_step=mid_step_aborts)
+            # like the engine: aborting a request aborts every sample it has
+            for sample_id in spec.sample_ids:
+                req = requests.get(sample_id)
+                if req is None:  # not forked (yet)
+                    continue
+                was_finished = req.is_finished
+                if not was_finished:
+                    state = "during a step" if spec.is_abort_mid_step else req.status.name
+                    event(f"aborted {state}")
+                if spec.is_abort_mid_step:
+                    mid_step_aborts.append(sample_id)
+                    continue
+                assert (scheduler.abort_request(sample_id) is None) == was_finished
+                assert req.status is RequestStatus.FINISHED_ABORTED or was_finished
+        out = run_step(scheduler, abort_during_step=mid_step_aborts)
+        swapped_groups = Counter(
+            r.group_id for r in out.preempted if r.status is RequestStatus.SWAPPED
+        )
+        if any(count > 1 for count in swapped_groups.values()):
+            event("samples swapped out together")
+        requests.update(scheduler.requests)  # samples forked this step
         step += 1
     return requests
 
@@ -135,21 +163,29 @@ def simulate(scheduler: Scheduler, specs: list[RequestSpec]) -> dict[str, Reques
 def check_outcomes(
     scheduler: Scheduler, specs: list[RequestSpec], requests: dict[str, Request]
 ) -> None:
-    """Aborted, rejected, or exactly as many tokens as the request's limits allow."""
+    """Aborted, rejected, or every sample with exactly as many tokens as its limits allow."""
     assert_nothing_left(scheduler)
-    bm, max_model_len = scheduler.block_manager, scheduler.config.max_model_len
+    bm, config = scheduler.block_manager, scheduler.config
     for spec in specs:
-        req = requests[spec.request_id]
+        parent = requests[spec.request_id]
         # a new prompt must leave the watermark free; a resumed request need not
         is_too_big = bm.num_blocks_for(spec.prompt_len) > bm.num_gpu_blocks - bm.watermark_blocks
-        if req.status is RequestStatus.FINISHED_ABORTED:
-            assert spec.abort_step is not None, req
-        elif spec.prompt_len > max_model_len or is_too_big:
-            assert req.status is RequestStatus.FINISHED_IGNORED and req.error, req
-            assert req.num_output_tokens == 0
-        else:
-            assert req.status is RequestStatus.FINISHED_LENGTH, (req, req.error)
-            assert req.num_output_tokens == expected_num_output_tokens(req, max_model_len), req
+        never_fits = (
+            spec.prompt_len > config.max_model_len or is_too_big or spec.n > config.max_num_seqs
+        )
+        for sample_id in spec.sample_ids:
+            req = requests.get(sample_id)
+            if req is None:  # never forked: the request ended before its prompt was computed
+                assert parent.status in (FINISHED_ABORTED, FINISHED_IGNORED), parent
+            elif req.status is FINISHED_ABORTED:
+                assert spec.abort_step is not None, req
+            elif never_fits:
+                assert req.status is FINISHED_IGNORED and req.error, req
+                assert req.num_output_tokens == 0
+            else:
+                assert req.status is RequestStatus.FINISHED_LENGTH, (req, req.error)
+                expected = expected_num_output_tokens(req, config.max_model_len)
+                assert req.num_output_tokens == expected, req
 
 
 def describe_run(
@@ -188,14 +224,14 @@ def test_preemption_never_changes_what_a_request_generates(scenario):
     describe_run(config, pressed, pressed_requests)
 
     # the same workload with room for everything at once: nothing is ever preempted
-    max_model_len = config["max_model_len"]
+    max_model_len, num_seqs = config["max_model_len"], sum(s.n for s in specs)
     roomy = create_scheduler(
         **{
             **config,
-            "num_gpu_blocks": len(specs) * (max_model_len + 1),
+            "num_gpu_blocks": num_seqs * (max_model_len + 1),
             "block_size": 1,
-            "max_num_seqs": len(specs),
-            "max_num_batched_tokens": len(specs) * (max_model_len + 2),
+            "max_num_seqs": num_seqs,
+            "max_num_batched_tokens": num_seqs * (max_model_len + 2),
             "watermark": 0.0,
         }
     )
@@ -204,3 +240,4 @@ def test_preemption_never_changes_what_a_request_generates(scenario):
     for request_id, req in pressed_requests.items():
         if req.status is RequestStatus.FINISHED_LENGTH:  # not rejected under pressure
             assert req.token_ids == roomy_requests[request_id].token_ids, request_id
+    assert pressed_requests.keys() <= roomy_requests.keys()

@@ -268,6 +268,65 @@ def test_auto_mode_recomputes_a_victim_with_less_than_a_block_computed():
     assert_nothing_left(scheduler)
 
 
+def _older_request_and_a_group(**overrides) -> tuple[Scheduler, Request, list[str]]:
+    """An older request and a newer one with 3 samples, outgrowing a 10-block cache together."""
+    scheduler = create_scheduler(num_gpu_blocks=10, max_model_len=32, **overrides)
+    old, _ = add_requests(
+        scheduler,
+        [
+            make_request("old", prompt_len=12, max_tokens=12),
+            make_request("group", prompt_len=10, max_tokens=12, n=3),
+        ],
+    )
+    return scheduler, old, ["group", "group#1", "group#2"]
+
+
+def test_the_samples_of_a_request_are_swapped_out_and_back_in_together():
+    scheduler, old, group_ids = _older_request_and_a_group(preemption_mode="auto")
+    bm = scheduler.block_manager
+    out = step_until_preempted(scheduler)
+    assert ids(out.preempted) == group_ids
+    group = out.preempted
+    assert all(req.status is RequestStatus.SWAPPED for req in group)
+    # the prompt's full blocks are shared: moved once, and shared on the CPU too
+    cpu_tables = [bm.cpu_block_tables[i] for i in group_ids]
+    assert cpu_tables[0][:2] == cpu_tables[1][:2] == cpu_tables[2][:2]
+    assert len(out.blocks_to_swap_out) == len({b for t in cpu_tables for b in t})
+    assert len(out.blocks_to_swap_out) < sum(len(t) for t in cpu_tables)
+    assert scheduler.num_preemptions == {"swap": 3}
+
+    outputs = run_until_done(scheduler)
+    swapped_in = next(o for o in outputs if o.blocks_to_swap_in)
+    assert set(group_ids) <= set(ids(swapped_in.scheduled))
+    assert len(swapped_in.blocks_to_swap_in) == len(out.blocks_to_swap_out)
+    assert [req.num_output_tokens for req in [old, *group]] == [12] * 4
+    assert len({tuple(req.output_token_ids) for req in group}) == 3  # they did part ways
+    assert_nothing_left(scheduler)
+
+
+def test_the_samples_of_a_request_are_recomputed_together_when_the_cpu_pool_is_too_small():
+    scheduler, old, group_ids = _older_request_and_a_group(preemption_mode="swap", num_cpu_blocks=2)
+    out = step_until_preempted(scheduler)
+    assert ids(out.preempted) == group_ids and not out.blocks_to_swap_out
+    assert all(req.status is RequestStatus.WAITING for req in out.preempted)
+    run_until_done(scheduler)
+    assert [req.num_output_tokens for req in [old, *out.preempted]] == [12] * 4
+    assert_nothing_left(scheduler)
+
+
+def test_a_request_with_more_samples_than_max_num_seqs_is_rejected_without_blocking_others():
+    scheduler = create_scheduler(max_num_seqs=2)
+    wide, narrow = add_requests(
+        scheduler, [make_request("wide", n=3), make_request("narrow", max_tokens=2)]
+    )
+    out = run_step(scheduler)
+    assert out.rejected == [wide] and wide.status is RequestStatus.FINISHED_IGNORED
+    assert "max_num_seqs" in (wide.error or "")
+    run_until_done(scheduler)
+    assert narrow.num_output_tokens == 2
+    assert_nothing_left(scheduler)
+
+
 def test_a_request_that_fills_the_whole_cache_finishes_by_length():
     # max_model_len above the cache (16 blocks of 4 = 64 tokens): the request can never grow
     # past the cache, so it ends by length there instead of preempting itself forever.

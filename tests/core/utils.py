@@ -1,18 +1,21 @@
 """Helpers that let the core tests read like the spec: build a scheduler, feed it, step, check.
 
-`run_step` plays the engine and the worker: it schedules, checks the plan, "samples" a token for
-every request whose computed tokens reach its end, updates the scheduler and then checks every
-invariant of the scheduler and the block manager. Tests call it after every step.
+`run_step` plays the engine and the worker: it schedules, checks the plan, applies it to a
+`ShadowCache` (which token's K/V each slot holds) and reads every scheduled request's context
+back through its block table, "samples" a token for every request whose computed tokens reach
+its end, updates the scheduler and then checks every invariant of the scheduler and the block
+manager. Tests call it after every step.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from asyncengine.config import SchedulerConfig
-from asyncengine.core.block_manager import BlockSpaceManager
+from asyncengine.core.block_manager import RELEASED, BlockSpaceManager
 from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.sampling_params import SamplingParams
@@ -97,8 +100,68 @@ def add_requests(scheduler: Scheduler, requests: Iterable[Request]) -> list[Requ
 
 
 def fake_model(req: Request) -> int:
-    """A deterministic "model": the next token depends only on the tokens so far, never EOS."""
-    return FIRST_ORDINARY_TOKEN + hash(tuple(req.token_ids)) % (VOCAB_SIZE - FIRST_ORDINARY_TOKEN)
+    """A deterministic "model": the next token depends only on the tokens so far and the sample
+    index (so the samples of one request part ways), never EOS."""
+    key = hash((req.sample_index, *req.token_ids))
+    return FIRST_ORDINARY_TOKEN + key % (VOCAB_SIZE - FIRST_ORDINARY_TOKEN)
+
+
+class ShadowCache:
+    """What the worker's KV cache holds, one token id per slot in place of K/V.
+
+    `run_plan` does what the worker does with a plan: swap out, swap in, copy, then write the K/V
+    of every scheduled token into its slot. It then reads each scheduled request's whole context
+    back through its block table, as attention would: a block shared that should not be, a
+    missed copy-on-write, a lost swap or a prefix-cache hit on other content reads a wrong token.
+    """
+
+    def __init__(self, block_manager: BlockSpaceManager) -> None:
+        size = block_manager.block_size
+        self.block_size = size
+        self.gpu: list[list[int | None]] = [
+            [None] * size for _ in range(block_manager.num_gpu_blocks)
+        ]
+        self.cpu: list[list[int | None]] = [
+            [None] * size for _ in range(block_manager.num_cpu_blocks)
+        ]
+
+    def run_plan(self, out: SchedulerOutput) -> None:
+        for gpu, cpu in out.blocks_to_swap_out:
+            self.cpu[cpu] = list(self.gpu[gpu])
+        for cpu, gpu in out.blocks_to_swap_in:
+            self.gpu[gpu] = list(self.cpu[cpu])
+        sources = {src: list(self.gpu[src]) for src, _ in out.blocks_to_copy}  # one launch
+        for src, dst in out.blocks_to_copy:
+            self.gpu[dst] = list(sources[src])
+        for req in out.scheduled:
+            table = out.block_tables[req.request_id]
+            start = req.num_computed_tokens
+            for pos in range(start, start + out.num_scheduled_tokens[req.request_id]):
+                self.gpu[table[pos // self.block_size]][pos % self.block_size] = req.token_ids[pos]
+        for req in out.scheduled:
+            table = out.block_tables[req.request_id]
+            end = req.num_computed_tokens + out.num_scheduled_tokens[req.request_id]
+            context = [
+                self.gpu[table[pos // self.block_size]][pos % self.block_size]
+                for pos in range(end)
+                if table[pos // self.block_size] != RELEASED
+            ]
+            expected = [
+                token
+                for pos, token in enumerate(req.token_ids[:end])
+                if table[pos // self.block_size] != RELEASED
+            ]
+            assert context == expected, f"{req} reads K/V of other tokens: table {table}"
+
+
+_shadow_caches: weakref.WeakKeyDictionary[Scheduler, ShadowCache] = weakref.WeakKeyDictionary()
+
+
+def shadow_cache(scheduler: Scheduler) -> ShadowCache:
+    """The shadow of `scheduler`'s KV cache, made on first use."""
+    if scheduler not in _shadow_caches:
+        _shadow_caches[scheduler] = ShadowCache(scheduler.block_manager)
+    return _shadow_caches[scheduler]
 
 
 def run_step(
@@ -106,13 +169,15 @@ def run_step(
     sample: Sampler = fake_model,
     abort_during_step: Iterable[str] = (),
 ) -> SchedulerOutput:
-    """One engine step: schedule, check the plan, sample, update, check every invariant.
+    """One engine step: schedule, check the plan, run it on the shadow cache, sample, update,
+    check every invariant.
 
     `abort_during_step` ids are aborted between `schedule` and `update_from_output`, as a
     client disconnecting while the forward runs would.
     """
     out = scheduler.schedule()
     check_plan(scheduler, out)
+    shadow_cache(scheduler).run_plan(out)
     sampled = {
         req.request_id: sample(req)
         for req in out.scheduled

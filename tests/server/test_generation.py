@@ -338,6 +338,7 @@ BAD_REQUESTS = [
     ("sampling.frequency_penalty", {"sampling": pb.SamplingOptions(frequency_penalty=-3)}),
     ("sampling.seed", {"sampling": pb.SamplingOptions(seed=2**63)}),
     ("sampling.n", {"sampling": pb.SamplingOptions(n=65)}),
+    ("sampling.n", {"sampling": pb.SamplingOptions(n=17)}),  # the server's max_num_seqs is 16
     ("stopping.max_new_tokens", {"stopping": pb.StoppingOptions(max_new_tokens=0)}),
     (
         "stopping.min_new_tokens",
