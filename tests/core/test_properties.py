@@ -17,6 +17,7 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from asyncengine.core.block_manager import RELEASED
 from asyncengine.core.request import Request, RequestStatus, sample_request_id
 from asyncengine.core.scheduler import Scheduler
 
@@ -76,8 +77,14 @@ def scheduler_settings(draw: st.DrawFn) -> dict[str, Any]:
         "max_model_len": max_model_len,
         "preemption_mode": draw(st.sampled_from(["auto", "swap", "recompute"])),
         "watermark": draw(st.sampled_from([0.0, 0.1, 0.25])),
-        # the test prompts share their prefixes, so caching finds real hits
-        "enable_caching": draw(st.booleans()),
+        # the test prompts share their prefixes, so caching finds real hits; a sliding window
+        # (never with caching) releases the blocks it has moved past
+        **draw(
+            st.fixed_dictionaries({"enable_caching": st.booleans(), "sliding_window": st.none()})
+            | st.fixed_dictionaries(
+                {"enable_caching": st.just(False), "sliding_window": st.integers(1, 24)}
+            )
+        ),
     }
 
 
@@ -155,6 +162,8 @@ def simulate(scheduler: Scheduler, specs: list[RequestSpec]) -> dict[str, Reques
         )
         if any(count > 1 for count in swapped_groups.values()):
             event("samples swapped out together")
+        if any(RELEASED in table for table in scheduler.block_manager.block_tables.values()):
+            event("blocks released outside the sliding window")
         requests.update(scheduler.requests)  # samples forked this step
         step += 1
     return requests

@@ -34,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "preemption_mode": "auto",
     "watermark": 0.01,  # BlockSpaceManager's default: 0 blocks for pools under 100
     "enable_caching": False,
+    "sliding_window": None,
 }
 
 Sampler = Callable[[Request], int]
@@ -50,6 +51,7 @@ def create_scheduler(**overrides: Any) -> Scheduler:
         c["block_size"],
         c["num_gpu_blocks"],
         c["num_cpu_blocks"],
+        sliding_window=c["sliding_window"],
         watermark=c["watermark"],
         enable_caching=c["enable_caching"],
     )
@@ -110,14 +112,16 @@ class ShadowCache:
     """What the worker's KV cache holds, one token id per slot in place of K/V.
 
     `run_plan` does what the worker does with a plan: swap out, swap in, copy, then write the K/V
-    of every scheduled token into its slot. It then reads each scheduled request's whole context
-    back through its block table, as attention would: a block shared that should not be, a
-    missed copy-on-write, a lost swap or a prefix-cache hit on other content reads a wrong token.
+    of every scheduled token into its slot. It then reads each scheduled request's context back
+    through its block table, as attention would (all of it, or with a sliding window what its
+    first query sees): a block shared that should not be, a missed copy-on-write, a lost swap, a
+    prefix-cache hit on other content or a block released too early reads a wrong token.
     """
 
     def __init__(self, block_manager: BlockSpaceManager) -> None:
         size = block_manager.block_size
         self.block_size = size
+        self.sliding_window = block_manager.sliding_window
         self.gpu: list[list[int | None]] = [
             [None] * size for _ in range(block_manager.num_gpu_blocks)
         ]
@@ -140,18 +144,17 @@ class ShadowCache:
                 self.gpu[table[pos // self.block_size]][pos % self.block_size] = req.token_ids[pos]
         for req in out.scheduled:
             table = out.block_tables[req.request_id]
-            end = req.num_computed_tokens + out.num_scheduled_tokens[req.request_id]
-            context = [
-                self.gpu[table[pos // self.block_size]][pos % self.block_size]
-                for pos in range(end)
-                if table[pos // self.block_size] != RELEASED
-            ]
-            expected = [
-                token
-                for pos, token in enumerate(req.token_ids[:end])
-                if table[pos // self.block_size] != RELEASED
-            ]
-            assert context == expected, f"{req} reads K/V of other tokens: table {table}"
+            start = req.num_computed_tokens
+            end = start + out.num_scheduled_tokens[req.request_id]
+            first = 0 if self.sliding_window is None else max(0, start - self.sliding_window + 1)
+            context = [self._read(table, pos) for pos in range(first, end)]
+            assert context == req.token_ids[first:end], (
+                f"{req} reads K/V of other tokens: table {table}"
+            )
+
+    def _read(self, table: list[int], pos: int) -> int | None:
+        block = table[pos // self.block_size]
+        return None if block == RELEASED else self.gpu[block][pos % self.block_size]
 
 
 _shadow_caches: weakref.WeakKeyDictionary[Scheduler, ShadowCache] = weakref.WeakKeyDictionary()
@@ -217,7 +220,7 @@ def check_plan(scheduler: Scheduler, out: SchedulerOutput) -> None:
         table = out.block_tables[req.request_id]
         assert table == bm.block_tables[req.request_id]
         assert len(table) == bm.num_blocks_for(req.num_tokens), f"{req}: table {table}"
-        assert all(0 <= b < bm.num_gpu_blocks for b in table)
+        assert all(0 <= b < bm.num_gpu_blocks or b == RELEASED for b in table)
     assert not {r.request_id for r in out.preempted} & set(ids), "a preempted request runs"
     for req in out.rejected:
         assert req.status is RequestStatus.FINISHED_IGNORED and req.error
