@@ -246,13 +246,19 @@ class Scheduler:
         self.num_preemptions[mode] += len(victims)
 
     def _should_swap(self, victims: list[Request]) -> bool:
-        mode = self.config.preemption_mode
-        if mode == "recompute" or not self.block_manager.can_swap_out(*victims):
+        if not self.block_manager.can_swap_out(*victims):
             return False
+        # a recomputed request re-prefills every token at once: a sliding-window sequence that
+        # has grown past the whole cache could never come back, so it is swapped in any mode
+        bm = self.block_manager
+        if any(bm.num_blocks_for(v.num_tokens) > bm.num_gpu_blocks for v in victims):
+            return True
+        mode = self.config.preemption_mode
         # auto: samples sharing blocks would lose the sharing if recomputed; a lone request
         # with less than a block computed has nothing worth moving
-        block_size = self.block_manager.block_size
-        return mode == "swap" or len(victims) > 1 or victims[0].num_computed_tokens >= block_size
+        return mode == "swap" or (
+            mode == "auto" and (len(victims) > 1 or victims[0].num_computed_tokens >= bm.block_size)
+        )
 
     def _recompute(self, req: Request) -> None:
         """Drop `req`'s K/V; it re-prefills prompt and outputs so far when readmitted."""

@@ -521,3 +521,21 @@ def test_update_returns_the_requests_that_got_a_token_in_batch_order():
     updated = scheduler.update_from_output(out, {"long": 20, "short": 21})
     assert ids(updated) == ["long", "short"]
     assert SchedulerOutput().is_empty and not out.is_empty
+
+
+def test_a_sliding_window_request_longer_than_the_cache_is_swapped_even_in_recompute_mode():
+    # recomputing would re-prefill all its tokens at once, more than the whole cache holds
+    scheduler = create_scheduler(
+        num_gpu_blocks=8, max_model_len=64, sliding_window=16, preemption_mode="recompute"
+    )
+    (long,) = add_requests(scheduler, [make_request("long", 4, max_tokens=55, priority=1)])
+    for _ in range(30):
+        run_step(scheduler)
+    assert long.num_tokens > 8 * 4  # past the cache, on a window's worth of blocks
+    (other,) = add_requests(scheduler, [make_request("other", 8, max_tokens=40)])
+    out = step_until_preempted(scheduler)
+    assert out.preempted == [long] and long.status is RequestStatus.SWAPPED
+    run_until_done(scheduler)
+    assert (long.num_output_tokens, other.num_output_tokens) == (55, 40)
+    assert scheduler.num_preemptions["recompute"] == 0
+    assert_nothing_left(scheduler)
