@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -146,7 +147,7 @@ class Scheduler:
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
         while self.swapped:
-            group = _pop_group(list(self.swapped), 0)
+            group = _head_group(self.swapped)
             if not self._has_room(budget, group):
                 break
             if self.block_manager.can_swap_in(*group) is not AllocStatus.OK:
@@ -310,6 +311,12 @@ class Scheduler:
         if req.num_tokens >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _head_group(queue: list[Request]) -> list[Request]:
+    """The first request of `queue` and its sibling samples right after it."""
+    group_id = queue[0].group_id
+    return list(itertools.takewhile(lambda req: req.group_id == group_id, queue))
 
 
 def _pop_group(queue: list[Request], index: int) -> list[Request]:
