@@ -234,7 +234,7 @@ def test_can_swap_in_counts_the_block_the_next_token_needs():
     assert bm.can_swap_in(seq) is AllocStatus.NEVER
 
 
-def forked_group(bm, num_samples: int, num_tokens: int) -> list[Seq]:
+def forked_group(bm: BlockSpaceManager, num_samples: int, num_tokens: int) -> list[Seq]:
     """A request of `num_tokens` and `num_samples - 1` samples forked from it, all decoding."""
     group = [allocated(bm, "s0", num_tokens)]
     for i in range(1, num_samples):
@@ -272,14 +272,21 @@ def test_a_group_fits_the_cpu_pool_by_its_distinct_blocks():
     assert not bm.can_swap_out(*group, allocated(bm, "other", 1))
 
 
+def swapped_out_group(bm: BlockSpaceManager, num_samples: int) -> list[Seq]:
+    """Samples of a 6-token prompt (2 blocks, the last half full), swapped out, each with a
+    token sampled since: each writes slot 6, in the shared last block."""
+    group = forked_group(bm, num_samples, 6)
+    bm.swap_out(*group)
+    for seq in group:
+        seq.num_tokens = 7
+    return group
+
+
 def test_can_swap_in_counts_each_copy_the_group_will_write_and_no_more():
     # two samples decoding into their shared, half-full last block: the first to write copies
     # it, the second then holds it alone, so swapping in takes 2 blocks + 1 copy
     bm = create_block_manager(num_gpu_blocks=3)
-    group = forked_group(bm, 2, 6)
-    bm.swap_out(*group)
-    for seq in group:
-        seq.num_tokens = 7
+    group = swapped_out_group(bm, 2)
     assert bm.can_swap_in(*group) is AllocStatus.OK
     bm.swap_in(*group)
     copies = [pair for seq in group for pair in bm.append_slot(seq)]
@@ -288,10 +295,7 @@ def test_can_swap_in_counts_each_copy_the_group_will_write_and_no_more():
 
     # three samples: two copies
     bm = create_block_manager(num_gpu_blocks=4)
-    group = forked_group(bm, 3, 6)
-    bm.swap_out(*group)
-    for seq in group:
-        seq.num_tokens = 7
+    group = swapped_out_group(bm, 3)
     assert bm.can_swap_in(*group) is AllocStatus.OK
     filler = allocated(bm, "filler", 1)
     assert bm.can_swap_in(*group) is AllocStatus.LATER
