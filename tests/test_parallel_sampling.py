@@ -111,6 +111,10 @@ def test_sampled_groups_swapped_out_under_pressure_generate_what_they_would_unpr
     outs = pressed.generate(prompts, params, use_tqdm=False)
 
     assert group_swaps, "no group of samples was swapped out together"
+    copied, entries = (sum(column) for column in zip(*group_swaps))
+    print(
+        f"\n{len(group_swaps)} group swap-outs copied {copied} blocks for {entries} table entries"
+    )
     # the blocks the samples share were copied once each
     assert all(num_copied < num_entries for num_copied, num_entries in group_swaps)
     for out, expected in zip(outs, roomy):
