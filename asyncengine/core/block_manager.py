@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from asyncengine.core.block_pool import BlockPool, NoFreeBlocksError
@@ -169,20 +169,31 @@ class BlockSpaceManager:
     # -- growth and sharing ------------------------------------------------------------------
 
     def _num_blocks_to_grow(
-        self, seqs: Iterable[Sequence], tables: dict[str, list[int]], ref_counts: Counter[int]
+        self,
+        seqs: Iterable[Sequence],
+        tables: dict[str, list[int]],
+        ref_count: Callable[[int], int],
     ) -> int:
         """Blocks `seqs` take from the pool to write from their first uncomputed slot on.
 
         One per missing logical block, and a private copy of each shared block written to,
-        except for its last writer, who holds it alone by then (`ref_counts`: holders now).
+        except for its last writer, who holds it alone by then (`ref_count`: holders now).
         """
+        # plain loops: this runs for every running request every step
         num_new = 0
-        writers: Counter[int] = Counter()
+        writers: dict[int, int] = {}  # block -> how many of `seqs` write into it
         for seq in seqs:
             table = tables[seq.request_id]
             num_new += max(0, self.num_blocks_for(seq.num_tokens) - len(table))
-            writers.update(live(table[seq.num_computed_tokens // self.block_size :]))
-        return num_new + sum(min(n, ref_counts[block] - 1) for block, n in writers.items())
+            # (never RELEASED: a window only releases blocks before the first written slot)
+            for block in table[seq.num_computed_tokens // self.block_size :]:
+                writers[block] = writers.get(block, 0) + 1
+        num_copies = 0
+        for block, num_writers in writers.items():
+            num_sharers = ref_count(block) - 1
+            if num_sharers > 0:
+                num_copies += min(num_writers, num_sharers)
+        return num_new + num_copies
 
     def can_append_slot(self, *seqs: Sequence) -> bool:
         """Whether the tables of `seqs` can all grow at once to cover their tokens.
@@ -190,9 +201,9 @@ class BlockSpaceManager:
         Writing starts at each one's first uncomputed slot; a shared block there needs a
         private copy first (copy-on-write).
         """
-        ref_counts = Counter({b: self.gpu_pool.ref_counts[b] for s in seqs for b in self._live(s)})
-        return (
-            self._num_blocks_to_grow(seqs, self.block_tables, ref_counts) <= self.gpu_pool.num_free
+        ref_count = self.gpu_pool.ref_counts.__getitem__
+        return self._num_blocks_to_grow(seqs, self.block_tables, ref_count) <= (
+            self.gpu_pool.num_free
         )
 
     def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
@@ -230,16 +241,13 @@ class BlockSpaceManager:
         if parent.request_id in self.block_hashes:
             self.block_hashes[child.request_id] = list(self.block_hashes[parent.request_id])
 
-    def _live(self, seq: Sequence) -> list[int]:
-        return live(self.block_tables[seq.request_id])
-
     # -- swapping ----------------------------------------------------------------------------
     # Requests swap as a group (the samples of one request): a block they share moves once and
     # stays shared on the other side, so swapping never costs a group its sharing.
 
     def can_swap_out(self, *seqs: Sequence) -> bool:
         """Whether the CPU pool has room for the blocks of `seqs`, each shared block once."""
-        blocks = {block for seq in seqs for block in self._live(seq)}
+        blocks = {block for seq in seqs for block in live(self.block_tables[seq.request_id])}
         return len(blocks) <= self.cpu_pool.num_free
 
     def swap_out(self, *seqs: Sequence) -> list[tuple[int, int]]:
@@ -253,7 +261,7 @@ class BlockSpaceManager:
         blocks of `seqs`, each shared block once, and for what they write next step."""
         tables = [live(self.cpu_block_tables[seq.request_id]) for seq in seqs]
         ref_counts = Counter(block for table in tables for block in table)
-        num_grow = self._num_blocks_to_grow(seqs, self.cpu_block_tables, ref_counts)
+        num_grow = self._num_blocks_to_grow(seqs, self.cpu_block_tables, ref_counts.__getitem__)
         return self._fit(len(ref_counts) + num_grow, watermark=0)
 
     def swap_in(self, *seqs: Sequence) -> list[tuple[int, int]]:
