@@ -22,6 +22,8 @@ from asyncengine.server.stream import DeltaTracker, EngineStream, follow
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
 
+MAX_CACHE_SALT_LEN = 256
+
 logger = get_logger(__name__)
 
 
@@ -187,6 +189,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidFieldError(
                 "sampling.n", f"must be <= the server's max_num_seqs ({self._max_num_seqs})"
             )
+        if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
+            raise InvalidFieldError(
+                "cache_salt", f"must be at most {MAX_CACHE_SALT_LEN} characters"
+            )
         time_limit_ms = request.stopping.time_limit_ms
         return Flight(
             request_id=request_id,
@@ -194,6 +200,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             prompt_token_ids=token_ids,
             params=params,
             priority=request.priority,
+            cache_salt=request.cache_salt or None,
             time_limit_s=time_limit_ms / 1000 if time_limit_ms else None,
         )
 

@@ -45,6 +45,7 @@ class Flight:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    cache_salt: str | None = None
     time_limit_s: float | None = None
     # set by whoever aborts it (Control.Abort, time limit, drain) before the engine sees the abort
     abort_reason: int | None = None

@@ -25,7 +25,11 @@ class EngineStream:
 
     def __init__(self, engine: AsyncLLMEngine, flight: Flight) -> None:
         gen = engine.generate(
-            flight.prompt_token_ids, flight.params, flight.request_id, flight.priority
+            flight.prompt_token_ids,
+            flight.params,
+            flight.request_id,
+            flight.priority,
+            cache_salt=flight.cache_salt,
         )
         self._gen = cast(AsyncGenerator[RequestOutput, None], gen)
         self._next: asyncio.Task[RequestOutput] | None = None

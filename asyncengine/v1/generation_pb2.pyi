@@ -96,7 +96,7 @@ class ResponseOptions(_message.Message):
     def __init__(self, return_token_ids: _Optional[bool] = ..., logprobs: _Optional[int] = ..., echo_prompt: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "request_id", "priority", "sampling", "stopping", "response")
+    __slots__ = ("text", "token_ids", "request_id", "priority", "sampling", "stopping", "response", "cache_salt")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     request_id: str
@@ -111,7 +112,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingOptions
     stopping: StoppingOptions
     response: ResponseOptions
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("accepted", "delta", "heartbeat", "finished", "usage")
@@ -234,18 +236,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., sequence_number: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
-    __slots__ = ("prompts", "priority", "sampling", "stopping", "response")
+    __slots__ = ("prompts", "priority", "sampling", "stopping", "response", "cache_salt")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     priority: int
     sampling: SamplingOptions
     stopping: StoppingOptions
     response: ResponseOptions
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_string", "stop_token_id", "logprobs", "usage")

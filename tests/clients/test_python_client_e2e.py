@@ -99,6 +99,23 @@ def test_unary_batch_in_prompt_order(target: str) -> None:
     assert completions[2].text == alone[0].text
 
 
+def test_cache_salt_keeps_tenants_from_sharing_cached_prompts(target: str) -> None:
+    prompt = list(range(100, 180))  # 80 tokens: five full blocks of 16
+    with Client(target, token=TOKEN) as client:
+
+        def cached_tokens(**options: object) -> int:
+            (completion,) = client.generate([prompt], max_new_tokens=2, **GREEDY, **options)
+            return completion.usage.cached_tokens
+
+        assert cached_tokens(cache_salt="tenant-a") == 0
+        assert cached_tokens(cache_salt="tenant-a") == 64  # 4 blocks: one token is always computed
+        assert cached_tokens(cache_salt="tenant-b") == 0
+        assert cached_tokens() == 0  # no salt is a tenant of its own
+        with pytest.raises(InvalidRequestError) as caught:
+            cached_tokens(cache_salt="x" * 257)
+    assert caught.value.field == "cache_salt"
+
+
 def test_korean_tokenize_detokenize_round_trip(target: str) -> None:
     text = "양자역학 설명해줄래? 한국어 텍스트"
     with Client(target, token=TOKEN) as client:

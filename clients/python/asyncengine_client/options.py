@@ -55,6 +55,8 @@ class GenerateOptions:
     echo_prompt: bool = False
     skip_special_tokens: bool | None = None
     priority: int = 0
+    # prefix-cache isolation: requests share cached prompt K/V only with the same salt
+    cache_salt: str = ""
 
     def sampling(self) -> pb.SamplingOptions:
         return pb.SamplingOptions(
@@ -96,6 +98,7 @@ def stream_request(
     request = pb.GenerateRequest(
         request_id=request_id,
         priority=options.priority,
+        cache_salt=options.cache_salt,
         sampling=options.sampling(),
         stopping=options.stopping(),
         response=options.response(),
@@ -119,6 +122,7 @@ def batch_request(
             for p in prompts
         ],
         priority=options.priority,
+        cache_salt=options.cache_salt,
         sampling=options.sampling(),
         stopping=options.stopping(),
         response=options.response(),
