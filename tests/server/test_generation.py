@@ -339,6 +339,7 @@ BAD_REQUESTS = [
     ("sampling.seed", {"sampling": pb.SamplingOptions(seed=2**63)}),
     ("sampling.n", {"sampling": pb.SamplingOptions(n=65)}),
     ("sampling.n", {"sampling": pb.SamplingOptions(n=17)}),  # the server's max_num_seqs is 16
+    ("cache_salt", {"cache_salt": "x" * 257}),
     ("stopping.max_new_tokens", {"stopping": pb.StoppingOptions(max_new_tokens=0)}),
     (
         "stopping.min_new_tokens",
@@ -386,6 +387,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(
             prompts.append(pb.Prompt(**{prompt_kind: getattr(request, prompt_kind)}))
         batch = pb.GenerateBatchRequest(
             prompts=prompts,
+            cache_salt=request.cache_salt,
             sampling=request.sampling,
             stopping=request.stopping,
             response=request.response,
