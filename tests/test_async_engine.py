@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import uvloop
+from structlog.testing import capture_logs
 
 from asyncengine import (
     LLM,
@@ -259,3 +260,27 @@ def test_slow_consumer_gets_every_token_without_slowing_the_others(model_dir) ->
         f"\nslow consumer: {slow_reads} reads in {slow_s:.2f}s; "
         f"fast consumer: {fast_reads} reads in {fast_s:.2f}s"
     )
+
+
+def test_a_block_still_held_when_the_engine_goes_idle_is_reported(model_dir) -> None:
+    engine = make_engine(model_dir("llama"), num_gpu_blocks_override=32)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run_one_and_go_idle(request_id: str) -> None:
+        await collect(engine, "hello", params, request_id)
+        for _ in range(10):  # the loop checks once it finds nothing left to do
+            await asyncio.sleep(0)
+
+    async def main() -> list[dict[str, Any]]:
+        with capture_logs() as clean:
+            await run_one_and_go_idle("clean")
+        assert not [e for e in clean if e["event"] == "kv_blocks_leaked"]
+        engine.engine.block_manager.gpu_pool.allocate()  # a bookkeeping bug, simulated
+        with capture_logs() as leaky:
+            await run_one_and_go_idle("leaky")
+        await engine.shutdown()
+        return [e for e in leaky if e["event"] == "kv_blocks_leaked"]
+
+    (leak,) = run(main)
+    assert leak["log_level"] == "error"
+    assert (leak["gpu_blocks"], leak["cpu_blocks"]) == (1, 0)

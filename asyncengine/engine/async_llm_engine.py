@@ -181,6 +181,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self.engine.has_unfinished_requests():
+                self._check_every_block_came_back()
                 self._has_work.clear()
                 await self._has_work.wait()
                 continue
@@ -207,6 +208,18 @@ class AsyncLLMEngine:
             logger.debug("step", num_scheduled=len(plan.scheduled), **vars(stats))
             # let the streams run before the next step; the step itself never awaits them
             await asyncio.sleep(0)
+
+    def _check_every_block_came_back(self) -> None:
+        """With no request left, every KV block must be free (cached ones count as free).
+
+        A block still held is a bookkeeping bug that would shrink the cache for good: say so
+        loudly rather than hide it (the check is two counts, so it runs at every idle moment).
+        """
+        stats = self.engine.get_stats()
+        held_gpu = stats.num_gpu_blocks - stats.num_free_gpu_blocks
+        held_cpu = stats.num_cpu_blocks - stats.num_free_cpu_blocks
+        if held_gpu or held_cpu:
+            logger.error("kv_blocks_leaked", gpu_blocks=held_gpu, cpu_blocks=held_cpu)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
