@@ -6,8 +6,10 @@ import itertools
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from asyncengine import LLM, EngineArgs, LLMEngine, SamplingParams
+from asyncengine.engine import llm_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -50,10 +52,35 @@ def test_seeded_sampling_survives_preemption(model_dir) -> None:
         preemption_mode="swap",
     )
     expected = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params, use_tqdm=False)]
-    got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params, use_tqdm=False)]
+    with capture_logs() as logs:
+        got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params, use_tqdm=False)]
     assert got == expected
-    assert tight.get_stats().num_preemptions_swap > 0
+    stats = tight.get_stats()
+    assert stats.num_preemptions_swap > 1
     assert_all_blocks_free(tight)
+    # the operator hears of it, not at every preemption but every 10 s at most (the first at
+    # once), each time with the count since the last
+    warnings = [e for e in logs if e["event"] == "requests_preempted"]
+    assert 1 <= len(warnings) < stats.num_preemptions_swap
+    assert all(w["log_level"] == "warning" and "max_num_seqs" in w["advice"] for w in warnings)
+    assert warnings[0]["num_preempted"] >= 1 and warnings[0]["request_ids"]
+
+
+def test_preemption_warnings_count_every_preempted_request(model_dir, monkeypatch) -> None:
+    monkeypatch.setattr(llm_engine, "PREEMPTION_WARNING_INTERVAL_S", 0.0)  # one per step
+    tight = LLM(
+        model=str(model_dir("llama")),
+        device="cpu",
+        dtype="float32",
+        num_gpu_blocks_override=8,
+        preemption_mode="recompute",
+    )
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with capture_logs() as logs:
+        tight.generate(PROMPTS, params, use_tqdm=False)
+    warnings = [e for e in logs if e["event"] == "requests_preempted"]
+    stats = tight.get_stats()
+    assert sum(w["num_preempted"] for w in warnings) == stats.num_preemptions_recompute > 0
 
 
 def test_max_tokens_and_finish_reason_length(llm: LLM) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +22,9 @@ from asyncengine.worker import kv_sizing
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = get_logger(__name__)
+
+# preemptions are logged at the first, then at most this often (with the count in between)
+PREEMPTION_WARNING_INTERVAL_S = 10.0
 
 
 class ModelRunnerLike(Protocol):
@@ -77,6 +82,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self._states: dict[str, RequestState] = {}
+        self._last_preemption_warning = -math.inf
+        self._num_preempted_unreported = 0
         logger.info(
             "engine_started",
             model=model_config.model,
@@ -189,7 +196,31 @@ class LLMEngine:
         return self.update(plan, self.execute(plan))
 
     def schedule(self) -> SchedulerOutput:
-        return self.scheduler.schedule()
+        plan = self.scheduler.schedule()
+        if plan.preempted:
+            self._warn_of_preemptions(plan)
+        return plan
+
+    def _warn_of_preemptions(self, plan: SchedulerOutput) -> None:
+        """Say that the cache is too small for the load: at the first preemption, then at most
+        every PREEMPTION_WARNING_INTERVAL_S with the count since the last warning."""
+        self._num_preempted_unreported += len(plan.preempted)
+        now = time.monotonic()
+        if now - self._last_preemption_warning < PREEMPTION_WARNING_INTERVAL_S:
+            return
+        stats = self.get_stats()
+        logger.warning(
+            "requests_preempted",
+            num_preempted=self._num_preempted_unreported,
+            request_ids=[req.request_id for req in plan.preempted[:8]],
+            total_swap=stats.num_preemptions_swap,
+            total_recompute=stats.num_preemptions_recompute,
+            gpu_block_usage=round(stats.gpu_block_usage, 3),
+            advice="the KV cache is too small for this load: add replicas, lower "
+            "max_num_seqs, or give the cache more memory (gpu_memory_utilization)",
+        )
+        self._last_preemption_warning = now
+        self._num_preempted_unreported = 0
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(plan)
