@@ -1,7 +1,9 @@
 """Triton kernels for the paged KV cache, each with a plain-torch reference beside it.
 
 Importing this package imports triton. Set TRITON_INTERPRET=1 before that to run the kernels
-on CPU tensors with Triton's interpreter (what the tests do).
+on CPU tensors with Triton's interpreter (what the tests do). The kernel tests pass under the
+interpreters of triton 3.9 and 3.6; triton 3.6's needs numpy < 2.3 (with numpy 2.4 its loop
+bounds fail to convert to ints), which only matters to the interpreter, never to a GPU run.
 """
 
 from .block_copy import (
