@@ -180,20 +180,18 @@ class BlockSpaceManager:
         except for its last writer, who holds it alone by then (`ref_count`: holders now).
         """
         # plain loops: this runs for every running request every step
-        num_new = 0
-        writers: dict[int, int] = {}  # block -> how many of `seqs` write into it
+        num_new = 0  # blocks for new logical blocks, then for private copies
+        shared_writes: dict[int, int] = {}  # shared block -> how many of `seqs` write into it
         for seq in seqs:
             table = tables[seq.request_id]
             num_new += max(0, self.num_blocks_for(seq.num_tokens) - len(table))
             # (never RELEASED: a window only releases blocks before the first written slot)
             for block in table[seq.num_computed_tokens // self.block_size :]:
-                writers[block] = writers.get(block, 0) + 1
-        num_copies = 0
-        for block, num_writers in writers.items():
-            num_sharers = ref_count(block) - 1
-            if num_sharers > 0:
-                num_copies += min(num_writers, num_sharers)
-        return num_new + num_copies
+                if ref_count(block) > 1:
+                    shared_writes[block] = shared_writes.get(block, 0) + 1
+        for block, num_writers in shared_writes.items():
+            num_new += min(num_writers, ref_count(block) - 1)
+        return num_new
 
     def can_append_slot(self, *seqs: Sequence) -> bool:
         """Whether the tables of `seqs` can all grow at once to cover their tokens.
@@ -210,8 +208,7 @@ class BlockSpaceManager:
         """Grow the table to cover every token; return copy-on-write (src, dst) pairs."""
         start = seq.num_computed_tokens
         table = self.block_tables[seq.request_id]
-        if self.sliding_window is not None:
-            self._release_outside_window(table, start)
+        self._release_outside_window(table, start, self.gpu_pool)
         copies = []
         for i in range(start // self.block_size, len(table)):
             block = table[i]
@@ -223,13 +220,20 @@ class BlockSpaceManager:
             table.append(self.gpu_pool.allocate())
         return copies
 
-    def _release_outside_window(self, table: list[int], first_query_pos: int) -> None:
+    def _first_visible_block(self, first_query_pos: int) -> int:
+        """The first logical block a query from `first_query_pos` on can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query_pos - self.sliding_window + 1) // self.block_size
+
+    def _release_outside_window(
+        self, table: list[int], first_query_pos: int, pool: BlockPool
+    ) -> None:
         """Free blocks no query from `first_query_pos` on can see; their entries become
         RELEASED, so memory stays bounded by the window as the sequence grows."""
-        first_visible = first_query_pos - self.sliding_window + 1  # type: ignore[operator]
-        for i in range(min(len(table), max(0, first_visible) // self.block_size)):
+        for i in range(min(len(table), self._first_visible_block(first_query_pos))):
             if table[i] != RELEASED:
-                self.gpu_pool.decref(table[i])
+                pool.decref(table[i])
                 table[i] = RELEASED
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -245,10 +249,21 @@ class BlockSpaceManager:
     # Requests swap as a group (the samples of one request): a block they share moves once and
     # stays shared on the other side, so swapping never costs a group its sharing.
 
+    def _blocks_to_move(self, seqs: Iterable[Sequence], tables: dict[str, list[int]]) -> list[int]:
+        """The blocks of `seqs` a swap moves: all but those outside a sliding window, which
+        are released instead (moving them would be wasted, and releasing a block right after
+        swapping it in would let another swap in the same step reuse it)."""
+        return [
+            block
+            for seq in seqs
+            for block in live(
+                tables[seq.request_id][self._first_visible_block(seq.num_computed_tokens) :]
+            )
+        ]
+
     def can_swap_out(self, *seqs: Sequence) -> bool:
         """Whether the CPU pool has room for the blocks of `seqs`, each shared block once."""
-        blocks = {block for seq in seqs for block in live(self.block_tables[seq.request_id])}
-        return len(blocks) <= self.cpu_pool.num_free
+        return len(set(self._blocks_to_move(seqs, self.block_tables))) <= self.cpu_pool.num_free
 
     def swap_out(self, *seqs: Sequence) -> list[tuple[int, int]]:
         """Move the blocks of `seqs` to the CPU pool; return (gpu, cpu) pairs to copy."""
@@ -259,8 +274,7 @@ class BlockSpaceManager:
     def can_swap_in(self, *seqs: Sequence) -> AllocStatus:
         """Like `can_allocate` for resumed requests (no watermark, see there): room for the
         blocks of `seqs`, each shared block once, and for what they write next step."""
-        tables = [live(self.cpu_block_tables[seq.request_id]) for seq in seqs]
-        ref_counts = Counter(block for table in tables for block in table)
+        ref_counts = Counter(self._blocks_to_move(seqs, self.cpu_block_tables))
         num_grow = self._num_blocks_to_grow(seqs, self.cpu_block_tables, ref_counts.__getitem__)
         return self._fit(len(ref_counts) + num_grow, watermark=0)
 
@@ -275,8 +289,8 @@ class BlockSpaceManager:
             self.mark_computed(seq, len(hashes) * self.block_size)
         return pairs
 
-    @staticmethod
     def _move(
+        self,
         seqs: Iterable[Sequence],
         src_tables: dict[str, list[int]],
         dst_tables: dict[str, list[int]],
@@ -286,6 +300,7 @@ class BlockSpaceManager:
         moved: dict[int, int] = {}  # src block -> its dst copy, shared like the src was
         for seq in seqs:
             src_table = src_tables.pop(seq.request_id)
+            self._release_outside_window(src_table, seq.num_computed_tokens, src_pool)
             for block in live(src_table):
                 if block in moved:
                     dst_pool.incref(moved[block])

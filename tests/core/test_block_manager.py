@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from asyncengine.core.block_manager import AllocStatus, BlockSpaceManager, NoFreeBlocksError
+from asyncengine.core.block_manager import (
+    RELEASED,
+    AllocStatus,
+    BlockSpaceManager,
+    NoFreeBlocksError,
+)
 
 
 @dataclass
@@ -314,6 +319,26 @@ def test_can_append_slot_of_a_group_counts_its_shared_writes_together():
     assert bm.can_append_slot(*group)  # all three: two copies, and 2 blocks are free
     allocated(bm, "filler", 1)
     assert bm.can_append_slot(group[0]) and not bm.can_append_slot(*group)
+
+
+def test_a_sliding_window_swap_moves_only_the_blocks_the_window_still_sees():
+    # blocks the window has left are released, not moved: swapping them in only to release
+    # them would also free a block that another swap-in of the same step could be given
+    bm = BlockSpaceManager(4, 8, 8, sliding_window=4, watermark=0.0)
+    seq = allocated(bm, "a", 12)  # 3 blocks; its next query (position 11) sees 8..11 only
+    gpu_table = list(bm.get_block_table(seq))
+    out_pairs = bm.swap_out(seq)
+    bm.check_invariants()
+    assert [gpu for gpu, _ in out_pairs] == gpu_table[2:]
+    assert bm.cpu_block_tables["a"][:2] == [RELEASED, RELEASED]
+    assert bm.get_num_free_gpu_blocks() == 8 and bm.get_num_free_cpu_blocks() == 7
+
+    assert bm.can_swap_in(seq) is AllocStatus.OK
+    in_pairs = bm.swap_in(seq)
+    assert len(in_pairs) == 1 and bm.append_slot(seq) == []
+    bm.check_invariants()
+    assert bm.get_block_table(seq)[:2] == [RELEASED, RELEASED]
+    assert bm.get_num_free_gpu_blocks() == 7 and bm.get_num_free_cpu_blocks() == 8
 
 
 def test_free_of_a_swapped_request_frees_its_cpu_blocks():

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from asyncengine.core.block_manager import RELEASED
@@ -22,6 +22,7 @@ from asyncengine.core.request import Request, RequestStatus, sample_request_id
 from asyncengine.core.scheduler import Scheduler
 
 from .utils import (
+    DEFAULTS,
     assert_nothing_left,
     create_scheduler,
     expected_num_output_tokens,
@@ -223,8 +224,37 @@ def test_every_request_ends_with_every_token_its_limits_allow(scenario):
     describe_run(config, scheduler, requests)
 
 
+def _spec(request_id: str, prompt_len: int, priority: int = 0, n: int = 1) -> RequestSpec:
+    return RequestSpec(request_id, 0, prompt_len, None, priority, n, None, False)
+
+
+# found by hypothesis: a sliding-window group swapped back in released a block it had just
+# swapped in, and another request's swap-in of the same step was given that block too
+SWAP_IN_THEN_RELEASE = (
+    {
+        **DEFAULTS,
+        "block_size": 1,
+        "num_gpu_blocks": 4,
+        "num_cpu_blocks": 3,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 4,
+        "max_model_len": 4,
+        "watermark": 0.0,
+        "sliding_window": 1,
+    },
+    [
+        *(_spec(f"req-{i}", 5) for i in (0, 1)),
+        _spec("req-2", 1, priority=1, n=2),
+        *(_spec(f"req-{i}", 5) for i in (3, 4, 5)),
+        _spec("req-6", 1),
+        _spec("req-7", 1, priority=1),
+    ],
+)
+
+
 @PROPERTY_SETTINGS
 @given(scenarios(with_aborts=False))
+@example(SWAP_IN_THEN_RELEASE)
 def test_preemption_never_changes_what_a_request_generates(scenario):
     config, specs = scenario
     pressed = create_scheduler(**config)

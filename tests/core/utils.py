@@ -227,6 +227,9 @@ def check_plan(scheduler: Scheduler, out: SchedulerOutput) -> None:
     _check_pairs(out.blocks_to_swap_out, bm.num_gpu_blocks, bm.num_cpu_blocks)
     _check_pairs(out.blocks_to_swap_in, bm.num_cpu_blocks, bm.num_gpu_blocks)
     _check_pairs(out.blocks_to_copy, bm.num_gpu_blocks, bm.num_gpu_blocks)
+    # the copies run in one launch: a block both read and written there would be a race
+    sources = {src for src, _ in out.blocks_to_copy}
+    assert not sources & {dst for _, dst in out.blocks_to_copy}, out.blocks_to_copy
     if out.preempted:
         assert not out.blocks_to_swap_in, "swapped in during a step that preempted"
 
