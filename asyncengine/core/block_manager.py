@@ -208,7 +208,8 @@ class BlockSpaceManager:
         """Grow the table to cover every token; return copy-on-write (src, dst) pairs."""
         start = seq.num_computed_tokens
         table = self.block_tables[seq.request_id]
-        self._release_outside_window(table, start, self.gpu_pool)
+        if self.sliding_window is not None:
+            self._release_outside_window(table, start, self.gpu_pool)
         copies = []
         for i in range(start // self.block_size, len(table)):
             block = table[i]

@@ -136,10 +136,12 @@ class Scheduler:
                 if victims is group:
                     break
             else:
-                for i, req in enumerate(group):
-                    # leave one token per later running request so decodes never stall
-                    # behind a long chunked prefill
-                    num_tokens = budget.take(req, reserve=len(queue) + len(group) - i - 1)
+                # leave one token per later running request so decodes never stall behind a
+                # long chunked prefill
+                reserve = len(queue) + len(group)
+                for req in group:
+                    reserve -= 1
+                    num_tokens = budget.take(req, reserve)
                     if num_tokens == 0:
                         continue
                     out.blocks_to_copy += self.block_manager.append_slot(req)
