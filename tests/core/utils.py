@@ -141,7 +141,9 @@ class ShadowCache:
             table = out.block_tables[req.request_id]
             start = req.num_computed_tokens
             for pos in range(start, start + out.num_scheduled_tokens[req.request_id]):
-                self.gpu[table[pos // self.block_size]][pos % self.block_size] = req.token_ids[pos]
+                block = table[pos // self.block_size]
+                assert block != RELEASED, f"{req} writes slot {pos} of a released block"
+                self.gpu[block][pos % self.block_size] = req.token_ids[pos]
         for req in out.scheduled:
             table = out.block_tables[req.request_id]
             start = req.num_computed_tokens
