@@ -322,6 +322,7 @@ def main() -> int:
     parser.add_argument("--num-sets", type=int, default=3, help="input sets cycled through")
     parser.add_argument("--no-check", action="store_true", help="skip the sanity checks")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--json-out", help="also write the JSON report to this file")
     parser.add_argument("--interpret-smoke", action="store_true", help=interpret_smoke.__doc__)
     args = parser.parse_args()
     if args.interpret_smoke:
@@ -355,6 +356,8 @@ def main() -> int:
             report["rows"].append(row)
             if not args.json:
                 print(f"  done batch {batch} context {context}", file=sys.stderr)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
