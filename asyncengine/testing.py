@@ -243,6 +243,21 @@ def make_random_model(
     return out
 
 
+def make_sized_llama(out_dir: str | Path, hidden_size: int, num_layers: int) -> Path:
+    """A random Llama of the given width and depth, shaped like real ones: an MLP 3x as wide,
+    64-wide attention heads, one KV head per 4 query heads (at least one), 2048 tokens."""
+    return make_random_model(
+        out_dir,
+        "llama",
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=max(1, hidden_size // 256),
+        vocab_size=2048,
+    )
+
+
 def _make_config(family: str, vocab_size: int, overrides: dict[str, Any]) -> PretrainedConfig:
     common: dict[str, Any] = {
         "vocab_size": vocab_size,

@@ -20,7 +20,7 @@ import torch
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.logging import configure_logging
-from asyncengine.testing import make_random_model
+from asyncengine.testing import make_sized_llama
 
 
 def workloads(
@@ -80,18 +80,7 @@ def main() -> None:
     configure_logging("WARNING")
     torch.set_num_threads(ns.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model = ns.model or str(
-            make_random_model(
-                tmp,
-                "llama",
-                hidden_size=ns.hidden,
-                intermediate_size=ns.hidden * 3,
-                num_hidden_layers=ns.layers,
-                num_attention_heads=ns.hidden // 64,
-                num_key_value_heads=max(1, ns.hidden // 256),
-                vocab_size=2048,
-            )
-        )
+        model = ns.model or str(make_sized_llama(tmp, ns.hidden, ns.layers))
         llms = {
             caching: LLM(
                 model=model,
