@@ -56,7 +56,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("running", "waiting", "swapped", "gpu_blocks_total", "gpu_blocks_free", "cpu_blocks_total", "cpu_blocks_free", "block_usage_ratio", "cpu_block_usage_ratio", "preemptions_swap", "preemptions_recompute")
+    __slots__ = ("running", "waiting", "swapped", "gpu_blocks_total", "gpu_blocks_free", "cpu_blocks_total", "cpu_blocks_free", "block_usage_ratio", "cpu_block_usage_ratio", "preemptions_swap", "preemptions_recompute", "admitted")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class LoadReport(_message.Message):
     CPU_BLOCK_USAGE_RATIO_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_SWAP_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_RECOMPUTE_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     swapped: int
@@ -79,7 +80,8 @@ class LoadReport(_message.Message):
     cpu_block_usage_ratio: float
     preemptions_swap: int
     preemptions_recompute: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., block_usage_ratio: _Optional[float] = ..., cpu_block_usage_ratio: _Optional[float] = ..., preemptions_swap: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ...) -> None: ...
+    admitted: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., swapped: _Optional[int] = ..., gpu_blocks_total: _Optional[int] = ..., gpu_blocks_free: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_free: _Optional[int] = ..., block_usage_ratio: _Optional[float] = ..., cpu_block_usage_ratio: _Optional[float] = ..., preemptions_swap: _Optional[int] = ..., preemptions_recompute: _Optional[int] = ..., admitted: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "load", "uptime_s", "draining")
@@ -110,3 +112,13 @@ class DrainResponse(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     aborted: int
     def __init__(self, aborted: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("was_draining",)
+    WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    was_draining: bool
+    def __init__(self, was_draining: _Optional[bool] = ...) -> None: ...

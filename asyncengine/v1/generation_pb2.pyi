@@ -19,6 +19,8 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIME_LIMIT: _ClassVar[FinishReason]
     CANCELLED: _ClassVar[FinishReason]
     ABORTED_BY_SERVER: _ClassVar[FinishReason]
+    CACHE_LIMIT: _ClassVar[FinishReason]
+    REQUEST_ERROR: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 LENGTH: FinishReason
 CONTEXT_LIMIT: FinishReason
@@ -28,6 +30,8 @@ STOP_TOKEN: FinishReason
 TIME_LIMIT: FinishReason
 CANCELLED: FinishReason
 ABORTED_BY_SERVER: FinishReason
+CACHE_LIMIT: FinishReason
+REQUEST_ERROR: FinishReason
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

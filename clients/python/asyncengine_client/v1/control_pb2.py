@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61syncengine/v1/control.proto\x12\x0e\x61syncengine.v1\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xae\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0c \x01(\rB\x0f\n\r_bos_token_id\"\x16\n\x14GetServerInfoRequest\"\x98\x02\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07swapped\x18\x03 \x01(\r\x12\x18\n\x10gpu_blocks_total\x18\x04 \x01(\r\x12\x17\n\x0fgpu_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\x06 \x01(\r\x12\x17\n\x0f\x63pu_blocks_free\x18\x07 \x01(\r\x12\x19\n\x11\x62lock_usage_ratio\x18\x08 \x01(\x01\x12\x1d\n\x15\x63pu_block_usage_ratio\x18\t \x01(\x01\x12\x18\n\x10preemptions_swap\x18\n \x01(\x04\x12\x1d\n\x15preemptions_recompute\x18\x0b \x01(\x04\"k\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12(\n\x04load\x18\x02 \x01(\x0b\x32\x1a.asyncengine.v1.LoadReport\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\'\n\x0c\x44rainRequest\x12\x17\n\x0fgrace_period_ms\x18\x01 \x01(\r\" \n\rDrainResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r2\x85\x03\n\x07\x43ontrol\x12\x44\n\x05\x41\x62ort\x12\x1c.asyncengine.v1.AbortRequest\x1a\x1d.asyncengine.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.asyncengine.v1.GetModelInfoRequest\x1a\x19.asyncengine.v1.ModelInfo\x12Q\n\rGetServerInfo\x12$.asyncengine.v1.GetServerInfoRequest\x1a\x1a.asyncengine.v1.ServerInfo\x12K\n\tWatchLoad\x12 .asyncengine.v1.WatchLoadRequest\x1a\x1a.asyncengine.v1.LoadReport0\x01\x12\x44\n\x05\x44rain\x12\x1c.asyncengine.v1.DrainRequest\x1a\x1d.asyncengine.v1.DrainResponseB^\n\x12\x64\x65v.asyncengine.v1P\x01ZFgithub.com/asyncengine/asyncengine/gen/go/asyncengine/v1;asyncenginev1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61syncengine/v1/control.proto\x12\x0e\x61syncengine.v1\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0b\x61\x62orted_ids\x18\x01 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xae\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\n \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0b \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0c \x01(\rB\x0f\n\r_bos_token_id\"\x16\n\x14GetServerInfoRequest\"\xaa\x02\n\nLoadReport\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x0f\n\x07swapped\x18\x03 \x01(\r\x12\x18\n\x10gpu_blocks_total\x18\x04 \x01(\r\x12\x17\n\x0fgpu_blocks_free\x18\x05 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\x06 \x01(\r\x12\x17\n\x0f\x63pu_blocks_free\x18\x07 \x01(\r\x12\x19\n\x11\x62lock_usage_ratio\x18\x08 \x01(\x01\x12\x1d\n\x15\x63pu_block_usage_ratio\x18\t \x01(\x01\x12\x18\n\x10preemptions_swap\x18\n \x01(\x04\x12\x1d\n\x15preemptions_recompute\x18\x0b \x01(\x04\x12\x10\n\x08\x61\x64mitted\x18\x0c \x01(\r\"k\n\nServerInfo\x12\x0f\n\x07version\x18\x01 \x01(\t\x12(\n\x04load\x18\x02 \x01(\x0b\x32\x1a.asyncengine.v1.LoadReport\x12\x10\n\x08uptime_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\"\'\n\x10WatchLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\'\n\x0c\x44rainRequest\x12\x17\n\x0fgrace_period_ms\x18\x01 \x01(\r\" \n\rDrainResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\r\"\x0f\n\rResumeRequest\"&\n\x0eResumeResponse\x12\x14\n\x0cwas_draining\x18\x01 \x01(\x08\x32\xce\x03\n\x07\x43ontrol\x12\x44\n\x05\x41\x62ort\x12\x1c.asyncengine.v1.AbortRequest\x1a\x1d.asyncengine.v1.AbortResponse\x12N\n\x0cGetModelInfo\x12#.asyncengine.v1.GetModelInfoRequest\x1a\x19.asyncengine.v1.ModelInfo\x12Q\n\rGetServerInfo\x12$.asyncengine.v1.GetServerInfoRequest\x1a\x1a.asyncengine.v1.ServerInfo\x12K\n\tWatchLoad\x12 .asyncengine.v1.WatchLoadRequest\x1a\x1a.asyncengine.v1.LoadReport0\x01\x12\x44\n\x05\x44rain\x12\x1c.asyncengine.v1.DrainRequest\x1a\x1d.asyncengine.v1.DrainResponse\x12G\n\x06Resume\x12\x1d.asyncengine.v1.ResumeRequest\x1a\x1e.asyncengine.v1.ResumeResponseB^\n\x12\x64\x65v.asyncengine.v1P\x01ZFgithub.com/asyncengine/asyncengine/gen/go/asyncengine/v1;asyncenginev1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,15 +44,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSERVERINFOREQUEST']._serialized_start=451
   _globals['_GETSERVERINFOREQUEST']._serialized_end=473
   _globals['_LOADREPORT']._serialized_start=476
-  _globals['_LOADREPORT']._serialized_end=756
-  _globals['_SERVERINFO']._serialized_start=758
-  _globals['_SERVERINFO']._serialized_end=865
-  _globals['_WATCHLOADREQUEST']._serialized_start=867
-  _globals['_WATCHLOADREQUEST']._serialized_end=906
-  _globals['_DRAINREQUEST']._serialized_start=908
-  _globals['_DRAINREQUEST']._serialized_end=947
-  _globals['_DRAINRESPONSE']._serialized_start=949
-  _globals['_DRAINRESPONSE']._serialized_end=981
-  _globals['_CONTROL']._serialized_start=984
-  _globals['_CONTROL']._serialized_end=1373
+  _globals['_LOADREPORT']._serialized_end=774
+  _globals['_SERVERINFO']._serialized_start=776
+  _globals['_SERVERINFO']._serialized_end=883
+  _globals['_WATCHLOADREQUEST']._serialized_start=885
+  _globals['_WATCHLOADREQUEST']._serialized_end=924
+  _globals['_DRAINREQUEST']._serialized_start=926
+  _globals['_DRAINREQUEST']._serialized_end=965
+  _globals['_DRAINRESPONSE']._serialized_start=967
+  _globals['_DRAINRESPONSE']._serialized_end=999
+  _globals['_RESUMEREQUEST']._serialized_start=1001
+  _globals['_RESUMEREQUEST']._serialized_end=1016
+  _globals['_RESUMERESPONSE']._serialized_start=1018
+  _globals['_RESUMERESPONSE']._serialized_end=1056
+  _globals['_CONTROL']._serialized_start=1059
+  _globals['_CONTROL']._serialized_end=1521
 # @@protoc_insertion_point(module_scope)

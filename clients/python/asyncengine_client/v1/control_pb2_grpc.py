@@ -60,6 +60,11 @@ class ControlStub:
                 request_serializer=asyncengine_dot_v1_dot_control__pb2.DrainRequest.SerializeToString,
                 response_deserializer=asyncengine_dot_v1_dot_control__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/asyncengine.v1.Control/Resume',
+                request_serializer=asyncengine_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=asyncengine_dot_v1_dot_control__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -100,6 +105,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Undoes a Drain: admission reopens and health goes SERVING again. A drain still in its
+        grace period stops waiting and aborts nothing. A no-op on a server that is not draining.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=asyncengine_dot_v1_dot_control__pb2.DrainRequest.FromString,
                     response_serializer=asyncengine_dot_v1_dot_control__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=asyncengine_dot_v1_dot_control__pb2.ResumeRequest.FromString,
+                    response_serializer=asyncengine_dot_v1_dot_control__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Control:
             '/asyncengine.v1.Control/Drain',
             asyncengine_dot_v1_dot_control__pb2.DrainRequest.SerializeToString,
             asyncengine_dot_v1_dot_control__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncengine.v1.Control/Resume',
+            asyncengine_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
+            asyncengine_dot_v1_dot_control__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
