@@ -20,7 +20,6 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CANCELLED: _ClassVar[FinishReason]
     ABORTED_BY_SERVER: _ClassVar[FinishReason]
     CACHE_LIMIT: _ClassVar[FinishReason]
-    REQUEST_ERROR: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 LENGTH: FinishReason
 CONTEXT_LIMIT: FinishReason
@@ -31,7 +30,6 @@ TIME_LIMIT: FinishReason
 CANCELLED: FinishReason
 ABORTED_BY_SERVER: FinishReason
 CACHE_LIMIT: FinishReason
-REQUEST_ERROR: FinishReason
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
