@@ -21,6 +21,7 @@ from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
 from asyncengine.server.convert import FinishReason
+from asyncengine.server.decode import MalformedRequestInterceptor
 from asyncengine.server.metrics import ServerMetrics
 from asyncengine.server.options import ServeOptions, check_options
 from asyncengine.server.servicer_control import ControlServicer
@@ -75,11 +76,14 @@ def server_credentials(options: ServeOptions) -> grpc.ServerCredentials | None:
 def build_server(state: ServerState) -> tuple[grpc.aio.Server, int]:
     """The grpc.aio server with every service added and its port bound (not started)."""
     options = state.options
-    interceptors = []
+    interceptors: list[grpc.aio.ServerInterceptor] = []
     if options.auth_tokens or options.control_auth_tokens:
         interceptors.append(
             BearerTokenInterceptor(options.auth_tokens, options.control_auth_tokens)
         )
+    # inside auth (the first is outermost): auth's rejection keeps this never-raising
+    # deserializer, so a caller without a token gets UNAUTHENTICATED and learns nothing of parsing
+    interceptors.append(MalformedRequestInterceptor())
     server = grpc.aio.server(
         interceptors=interceptors,
         options=grpc_options(options),
