@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) other names
 DEVICES = ("auto", "cuda", "cpu")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -84,6 +85,20 @@ class EngineArgs:
     """The engine's knobs as users pass them (vLLM's names). See `create_engine_config`.
 
     `model` defaults to the small model bundled with the package (`asyncengine.default_model`).
+    `dtype` also takes vLLM's "half" and "float", and a torch dtype.
+
+    Some of vLLM's arguments are accepted so that vLLM code runs unchanged, though here they
+    change nothing or allow only one value:
+    - `trust_remote_code`: asyncengine never runs code shipped with a model. It implements
+      each model family itself and reads configs and tokenizers with transformers' built-in
+      classes, so an architecture it lacks is an error either way.
+    - `enforce_eager`: the model always runs eagerly (no CUDA graphs, no torch.compile).
+    - `disable_log_stats`: the engine logs no periodic stats (they are in `get_stats()` and
+      the server's Prometheus metrics), so there is nothing to turn off.
+    - `enable_chunked_prefill`: chunked prefill is always on; False is an error.
+    - `tensor_parallel_size`, `pipeline_parallel_size`: one device only for now; anything
+      but 1 is an error.
+    - `quantization`: quantized weights are not supported; anything but None is an error.
     """
 
     model: str = dataclasses.field(default_factory=_default_model)
@@ -102,6 +117,14 @@ class EngineArgs:
     preemption_mode: str = "auto"
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # accepted for vLLM code (see the class docstring for what each means here)
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
+    disable_log_stats: bool = False
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str | None = None
     expected_concurrency: int | None = None
 
     @classmethod
@@ -109,7 +132,7 @@ class EngineArgs:
         return {f.name for f in dataclasses.fields(cls)}
 
     def _validate(self) -> None:
-        _one_of("dtype", self.dtype, DTYPES)
+        _one_of("dtype", _dtype_name(self.dtype), DTYPES)
         _one_of("device", self.device, DEVICES)
         _one_of("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
         _one_of("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -129,6 +152,21 @@ class EngineArgs:
         _require(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
         _require(self.seed >= 0, "seed", ">= 0", self.seed)
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _require(value == 1, name, "1 (one device: parallelism is not supported yet)", value)
+        _require(
+            self.enable_chunked_prefill is True,
+            "enable_chunked_prefill",
+            "True (chunked prefill is always on)",
+            self.enable_chunked_prefill,
+        )
+        _require(
+            self.quantization is None,
+            "quantization",
+            "None (quantized weights are not supported)",
+            self.quantization,
+        )
         for name in (
             "max_num_batched_tokens",
             "max_model_len",
@@ -165,7 +203,7 @@ class EngineArgs:
             model=model_path,
             tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else model_path,
             hf_config=hf_config,
-            dtype=_resolve_dtype(self.dtype, hf_config, device),
+            dtype=_resolve_dtype(_dtype_name(self.dtype), hf_config, device),
             max_model_len=max_model_len,
             seed=self.seed,
         )
@@ -193,6 +231,20 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(device=device, attention_backend=backend),
         )
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's arguments for `AsyncLLMEngine.from_engine_args`: `EngineArgs` plus
+    `disable_log_requests`, accepted (the engine logs no line per request)."""
+
+    disable_log_requests: bool = False
+
+
+def _dtype_name(dtype: object) -> str:
+    """A dtype as its name: "float16" for "float16", "half" or torch.float16."""
+    name = str(dtype).removeprefix("torch.")
+    return DTYPE_ALIASES.get(name, name)
 
 
 def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:

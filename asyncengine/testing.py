@@ -27,6 +27,12 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 _SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]  # ids 0, 1, 2
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# a minimal chat template for tests of chat(): `<|role|>` headers, each turn ended by eos
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 
 _ENGLISH = [
     "The quick brown fox jumps over the lazy dog.",
@@ -156,9 +162,13 @@ def default_corpus() -> list[str]:
 
 
 def train_bpe_tokenizer(
-    out_dir: str | Path, vocab_size: int = 512, corpus: Iterable[str] | None = None
+    out_dir: str | Path,
+    vocab_size: int = 512,
+    corpus: Iterable[str] | None = None,
+    chat_template: str | None = None,
 ) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer (Llama-3 style, bos added on encode) and save it.
+    """Train a byte-level BPE tokenizer (Llama-3 style, bos added on encode) and save it,
+    with `chat_template` (e.g. `CHAT_TEMPLATE`) if given; without one it has none.
 
     Training is deterministic for a given corpus. If the corpus runs out of merges before
     `vocab_size`, the vocabulary is padded with `<unused_i>` tokens so that every id a model
@@ -196,6 +206,8 @@ def train_bpe_tokenizer(
         model_max_length=1 << 30,
         clean_up_tokenization_spaces=False,
     )
+    if chat_template is not None:
+        hf_tokenizer.chat_template = chat_template
     hf_tokenizer.save_pretrained(str(out_dir))
     # transformers 5 writes its own class name, which 4.x cannot resolve; this alias loads in both.
     config_path = Path(out_dir) / "tokenizer_config.json"
@@ -212,9 +224,11 @@ def make_random_model(
     seed: int = 0,
     dtype: str = "float32",
     vocab_size: int = 512,
+    chat_template: str | None = None,
     **config_overrides: Any,
 ) -> Path:
-    """Write a small random-weight `*ForCausalLM` of `family` plus its tokenizer to `out_dir`.
+    """Write a small random-weight `*ForCausalLM` of `family` plus its tokenizer (with
+    `chat_template`, if given) to `out_dir`.
 
     Defaults: hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA). llama uses Llama-3 rope
     scaling (from an original context of 256, so it changes outputs at test lengths); qwen2 has
@@ -225,7 +239,7 @@ def make_random_model(
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_bpe_tokenizer(out, vocab_size=vocab_size)
+    tokenizer = train_bpe_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
     special_ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,

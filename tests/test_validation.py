@@ -63,6 +63,10 @@ def test_sampling_params_defaults_and_normalisation() -> None:
         ("num_cpu_blocks_override", -1),
         ("preemption_mode", "drop"),
         ("attention_backend", "flash"),
+        ("tensor_parallel_size", 2),
+        ("pipeline_parallel_size", 2),
+        ("enable_chunked_prefill", False),
+        ("quantization", "awq"),
     ],
 )
 def test_bad_engine_args_name_the_field(field: str, value: object, model_dir) -> None:

@@ -7,6 +7,7 @@ the (src, dst) pairs this module returns for copies and swaps.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -18,6 +19,7 @@ __all__ = [
     "AllocStatus",
     "BlockPool",
     "BlockSpaceManager",
+    "BlockTable",
     "NoFreeBlocksError",
     "Sequence",
 ]
@@ -32,9 +34,20 @@ def live(table: list[int]) -> list[int]:
 
 
 class AllocStatus(enum.Enum):
+    """Whether an allocation fits; true only for OK, so `if can_allocate(...)` reads right."""
+
     OK = enum.auto()  # fits now
     LATER = enum.auto()  # fits once other requests free blocks
     NEVER = enum.auto()  # can never fit in this cache
+
+    def __bool__(self) -> bool:
+        return self is AllocStatus.OK
+
+
+class HasId(Protocol):
+    """Names the sequence whose blocks a call is about (a request, or a `BlockTable`)."""
+
+    request_id: str
 
 
 class Sequence(Protocol):
@@ -47,6 +60,20 @@ class Sequence(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
+
+
+class BlockTable(list[int]):
+    """One sequence's physical block ids in logical order, as `allocate` returns them.
+
+    It is the manager's own table, so it grows with `append_slot`. `request_id` names the
+    sequence (pass the table itself to `free`); `num_cached_tokens` is how many of the
+    sequence's leading tokens already had K/V in the prefix cache when it was allocated.
+    """
+
+    def __init__(self, blocks: Iterable[int], request_id: str, num_cached_tokens: int = 0) -> None:
+        super().__init__(blocks)
+        self.request_id = request_id
+        self.num_cached_tokens = num_cached_tokens
 
 
 class BlockSpaceManager:
@@ -82,6 +109,7 @@ class BlockSpaceManager:
         self.block_hashes: dict[str, list[int]] = {}
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of those, tokens found cached
+        self._anonymous_ids = (f"anonymous-{i}" for i in itertools.count())
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -136,35 +164,61 @@ class BlockSpaceManager:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, is_resumed: bool = False) -> AllocStatus:
-        """Whether `seq`'s tokens fit now, later, or never.
+    def can_allocate(self, seq: Sequence | int, is_resumed: bool = False) -> AllocStatus:
+        """Whether `seq`'s tokens (or a number of blocks) fit now, later, or never.
 
         The watermark keeps new requests from taking the last blocks that running ones grow
         into. A request resumed after preemption (`is_resumed`) may have grown into them
         already, so it only needs the blocks themselves; otherwise it could never come back.
         """
         watermark = 0 if is_resumed else self.watermark_blocks
+        if isinstance(seq, int):
+            return self._fit(seq, watermark)
         hits = self._match_prefix(seq)
         # a cached block nobody holds sits in the free queue: reusing it takes a free block too
         num_idle_hits = sum(1 for block in hits if self.gpu_pool.is_idle(block))
         num_needed = self.num_blocks_for(seq.num_tokens)
         return self._fit(num_needed, watermark, num_needed - len(hits) + num_idle_hits)
 
-    def allocate(self, seq: Sequence) -> int:
-        """Give `seq` blocks for all its tokens; return how many are already computed (cached)."""
+    def allocate(self, seq: Sequence | int) -> BlockTable:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks; return its table.
+
+        With a token count instead, the blocks go to a new anonymous sequence (no tokens, so
+        no prefix cache) that holds them until its table is passed to `free`.
+        """
+        if isinstance(seq, int):
+            return self._allocate_anonymous(seq)
         assert seq.request_id not in self.block_tables, f"{seq.request_id} already allocated"
         hits = self._match_prefix(seq)
         for block in hits:  # taken before allocating, so allocation cannot evict them
             self.gpu_pool.take(block)
         num_new = self.num_blocks_for(seq.num_tokens) - len(hits)
-        self.block_tables[seq.request_id] = hits + [
-            self.gpu_pool.allocate() for _ in range(num_new)
-        ]
+        table = BlockTable(
+            hits + [self.gpu_pool.allocate() for _ in range(num_new)],
+            seq.request_id,
+            num_cached_tokens=len(hits) * self.block_size,
+        )
+        self.block_tables[seq.request_id] = table
         if self.enable_caching:
             self.block_hashes[seq.request_id] = [self.gpu_pool.block_hash[b] or 0 for b in hits]
             self.num_cache_queries += seq.num_tokens
-            self.num_cache_hits += len(hits) * self.block_size
-        return len(hits) * self.block_size
+            self.num_cache_hits += table.num_cached_tokens
+        return table
+
+    def _allocate_anonymous(self, num_tokens: int) -> BlockTable:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        num_blocks = self.num_blocks_for(num_tokens)
+        if num_blocks > self.gpu_pool.num_free:  # all or nothing: no half-made table to leak
+            raise NoFreeBlocksError(
+                f"{num_tokens} tokens need {num_blocks} blocks, {self.gpu_pool.num_free} are free"
+            )
+        request_id = next(self._anonymous_ids)
+        while request_id in self.block_tables or request_id in self.cpu_block_tables:
+            request_id = next(self._anonymous_ids)
+        table = BlockTable((self.gpu_pool.allocate() for _ in range(num_blocks)), request_id)
+        self.block_tables[request_id] = table
+        return table
 
     # -- growth and sharing ------------------------------------------------------------------
 
@@ -313,8 +367,9 @@ class BlockSpaceManager:
 
     # -- release and queries -----------------------------------------------------------------
 
-    def free(self, seq: Sequence) -> None:
-        """Release every block `seq` holds, wherever it is; unknown requests are a no-op."""
+    def free(self, seq: HasId) -> None:
+        """Release every block `seq` (a request or a `BlockTable`) holds, wherever it is;
+        unknown requests are a no-op."""
         self.block_hashes.pop(seq.request_id, None)
         for tables, pool in (
             (self.block_tables, self.gpu_pool),
@@ -324,10 +379,10 @@ class BlockSpaceManager:
             for block in reversed(live(tables.pop(seq.request_id, []))):
                 pool.decref(block)
 
-    def has_blocks(self, seq: Sequence) -> bool:
+    def has_blocks(self, seq: HasId) -> bool:
         return seq.request_id in self.block_tables or seq.request_id in self.cpu_block_tables
 
-    def get_block_table(self, seq: Sequence) -> list[int]:
+    def get_block_table(self, seq: HasId) -> list[int]:
         return self.block_tables[seq.request_id]
 
     def get_num_free_gpu_blocks(self) -> int:

@@ -183,7 +183,7 @@ class Scheduler:
             if status is AllocStatus.LATER or not self._has_room(budget, [req]):
                 break
             self.waiting.pop(0)
-            num_cached = self.block_manager.allocate(req)
+            num_cached = self.block_manager.allocate(req).num_cached_tokens
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached

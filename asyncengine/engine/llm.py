@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from asyncengine.config import EngineArgs
@@ -14,6 +15,7 @@ from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Conversation = Sequence[Mapping[str, Any]]  # chat messages: {"role": ..., "content": ...}
 
 
 class LLM:
@@ -85,6 +87,56 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer that text prompts are encoded with."""
+        return self.llm_engine.tokenizer
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to a list
+        of them; outputs come back in order, each with the rendered prompt as `prompt`.
+
+        Each conversation is rendered by the tokenizer's chat template, or by `chat_template`
+        (a Jinja template, or the path of a file holding one), with the reply's turn opened
+        (`add_generation_prompt`), then encoded without adding special tokens again.
+        """
+        if not messages:
+            raise ValueError("messages is empty: pass a list of {role, content} messages")
+        is_single = isinstance(messages[0], Mapping)
+        conversations = [messages] if is_single else list(messages)
+        template = chat_template
+        if template is not None and os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        tokenizer = self.get_tokenizer()
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"the tokenizer of {tokenizer.name_or_path!r} has no chat template: pass "
+                "chat_template=... (a Jinja template), or call generate() with plain prompts"
+            )
+        texts = [
+            tokenizer.apply_chat_template(
+                list(conversation),
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        for output, text in zip(outputs, texts):
+            output.prompt = text
+        return outputs
 
 
 def _failed(request_id: str, prompt: Prompt, error: str) -> RequestOutput:

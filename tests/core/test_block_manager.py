@@ -108,6 +108,61 @@ def test_allocating_from_an_empty_pool_raises():
         bm.allocate(Seq("b", 1))
 
 
+def test_only_ok_is_true_so_if_can_allocate_reads_right():
+    assert AllocStatus.OK
+    assert not AllocStatus.LATER
+    assert not AllocStatus.NEVER
+
+
+def test_can_allocate_takes_a_block_count_with_the_same_answers_and_watermark():
+    bm = create_block_manager(num_gpu_blocks=10, watermark=0.2)  # 2 blocks held back
+    assert bm.can_allocate(8) is AllocStatus.OK
+    assert bm.can_allocate(9) is AllocStatus.NEVER
+    allocated(bm, "holder", 4)  # 1 block
+    assert bm.can_allocate(8) is AllocStatus.LATER
+    assert bm.can_allocate(7) is AllocStatus.OK
+    assert bm.can_allocate(9, is_resumed=True) is AllocStatus.OK
+
+
+def test_allocate_returns_the_live_block_table_and_free_takes_it_back():
+    bm = create_block_manager(num_gpu_blocks=8)
+    seq = Seq("a", 5)
+    table = bm.allocate(seq)
+    assert table == bm.get_block_table(seq) and len(table) == 2
+    assert table.request_id == "a" and table.num_cached_tokens == 0
+    seq.num_tokens = 9
+    bm.append_slot(seq)
+    assert len(table) == 3  # the manager's own table, not a copy
+    bm.free(table)
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == 8 and not bm.has_blocks(seq)
+
+
+def test_allocate_with_a_token_count_holds_blocks_for_an_anonymous_sequence():
+    bm = create_block_manager(block_size=4, num_gpu_blocks=8)
+    first = bm.allocate(9)
+    second = bm.allocate(4)
+    assert (len(first), len(second)) == (3, 1)
+    assert set(first).isdisjoint(second) and first.request_id != second.request_id
+    assert bm.get_block_table(first) == first
+    assert bm.get_num_free_gpu_blocks() == 4
+    bm.check_invariants()
+    bm.free(first)
+    bm.free(second)
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == 8 and not bm.block_tables
+
+
+def test_allocate_with_too_many_tokens_raises_and_holds_nothing():
+    bm = create_block_manager(block_size=4, num_gpu_blocks=2)
+    with pytest.raises(NoFreeBlocksError, match="3 blocks"):
+        bm.allocate(9)
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == 2 and not bm.block_tables
+    with pytest.raises(ValueError, match="num_tokens"):
+        bm.allocate(-1)
+
+
 # -- growth --------------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ def create_block_manager(num_gpu_blocks: int = 8) -> BlockSpaceManager:
 def run_prefill(bm: BlockSpaceManager, seq: Seq) -> int:
     """Admit `seq`, 'compute' its prompt, and index its full blocks; return cached tokens."""
     assert bm.can_allocate(seq) is AllocStatus.OK
-    num_cached = bm.allocate(seq)
+    num_cached = bm.allocate(seq).num_cached_tokens
     bm.mark_computed(seq, seq.num_tokens)
     bm.check_invariants()
     return num_cached

@@ -1,0 +1,134 @@
+"""vLLM code ports by changing the import: its module paths, its everyday arguments, and
+`LLM.get_tokenizer` / `LLM.chat`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncengine
+from asyncengine import LLM, EngineArgs, SamplingParams
+from asyncengine.testing import CHAT_TEMPLATE
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+HELLO = [{"role": "user", "content": "Hello, my name is"}]
+
+
+def test_engine_args_import_from_vllms_module_path_and_are_the_same_classes() -> None:
+    from asyncengine.engine.arg_utils import AsyncEngineArgs
+    from asyncengine.engine.arg_utils import EngineArgs as ArgUtilsEngineArgs
+
+    assert ArgUtilsEngineArgs is asyncengine.EngineArgs
+    assert issubclass(AsyncEngineArgs, EngineArgs)
+    assert AsyncEngineArgs(disable_log_requests=True).disable_log_requests
+
+
+def test_everyday_vllm_arguments_are_accepted(model_dir) -> None:
+    path = str(model_dir("llama"))
+    llm = LLM(
+        model=path,
+        tokenizer=path,
+        trust_remote_code=True,
+        enforce_eager=True,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        disable_log_stats=True,
+        enable_chunked_prefill=True,
+        quantization=None,
+        seed=0,
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=4,
+        max_model_len=128,
+        swap_space=0.01,
+        gpu_memory_utilization=0.5,
+        block_size=16,
+    )
+    (out,) = llm.generate(["Hello, my name is"], GREEDY)
+    assert len(out.outputs[0].token_ids) == 6
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [("half", "float16"), ("float", "float32"), (torch.bfloat16, "bfloat16"), ("auto", "float32")],
+)
+def test_dtype_takes_vllms_and_torchs_names(model_dir, dtype: object, expected: str) -> None:
+    args = EngineArgs(model=str(model_dir("llama")), device="cpu", dtype=dtype)  # type: ignore[arg-type]
+    assert args.create_engine_config().model_config.dtype == expected
+
+
+def test_tensor_parallelism_other_than_one_is_a_clear_error_naming_the_field(model_dir) -> None:
+    with pytest.raises(ValueError, match=r"EngineArgs\.tensor_parallel_size must be 1 .*got 2"):
+        LLM(model=str(model_dir("llama")), device="cpu", tensor_parallel_size=2)
+
+
+# -- get_tokenizer and chat ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_llm(model_dir) -> LLM:
+    path = model_dir("llama", chat_template=CHAT_TEMPLATE)
+    return LLM(model=str(path), dtype="float32", device="cpu", num_gpu_blocks_override=64)
+
+
+@pytest.fixture(scope="module")
+def plain_llm(model_dir) -> LLM:
+    """A model whose tokenizer has no chat template."""
+    return LLM(model=str(model_dir("llama")), dtype="float32", device="cpu")
+
+
+def test_get_tokenizer_is_what_text_prompts_are_encoded_with(plain_llm: LLM) -> None:
+    tokenizer = plain_llm.get_tokenizer()
+    (out,) = plain_llm.generate(["양자역학 설명해줄래?"], GREEDY)
+    assert out.prompt_token_ids == tokenizer.encode("양자역학 설명해줄래?")
+
+
+def test_chat_renders_the_template_opens_the_reply_and_adds_no_second_bos(chat_llm: LLM) -> None:
+    tokenizer = chat_llm.get_tokenizer()
+    (out,) = chat_llm.chat(HELLO, GREEDY)
+    rendered = "<s><|user|>\nHello, my name is</s>\n<|assistant|>\n"
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.prompt_token_ids.count(tokenizer.bos_token_id) == 1
+    (same,) = chat_llm.generate([out.prompt_token_ids], GREEDY)
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_chat_takes_a_list_of_conversations_and_answers_in_order(chat_llm: LLM) -> None:
+    conversations = [
+        HELLO,
+        [
+            {"role": "system", "content": "Answer in Korean."},
+            {"role": "user", "content": "재미있는 이야기 들려줘"},
+        ],
+    ]
+    outs = chat_llm.chat(conversations, GREEDY)
+    assert [out.prompt for out in outs] == [
+        "<s><|user|>\nHello, my name is</s>\n<|assistant|>\n",
+        "<s><|system|>\nAnswer in Korean.</s>\n"
+        "<|user|>\n재미있는 이야기 들려줘</s>\n<|assistant|>\n",
+    ]
+    (single,) = chat_llm.chat(conversations[1], GREEDY)
+    assert outs[1].outputs[0].token_ids == single.outputs[0].token_ids
+
+
+def test_a_given_template_renders_where_the_model_has_none(plain_llm: LLM, tmp_path: Path) -> None:
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}=>"
+    (out,) = plain_llm.chat(HELLO, GREEDY, chat_template=template)
+    assert out.prompt == "<s>Hello, my name is =>"
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(template)
+    (from_file,) = plain_llm.chat(HELLO, GREEDY, chat_template=str(template_file))
+    assert from_file.prompt == out.prompt
+    assert from_file.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_chat_without_any_template_is_a_clear_error(plain_llm: LLM) -> None:
+    with pytest.raises(ValueError, match="has no chat template: pass chat_template="):
+        plain_llm.chat(HELLO, GREEDY)
+    with pytest.raises(ValueError, match="messages is empty"):
+        plain_llm.chat([], GREEDY)
