@@ -1,5 +1,6 @@
 """The README's quick start, run as written: serve the default model, stream from the client CLI,
-and get exactly the output the README shows.
+and get exactly the output the README shows; and every python block of README.md and docs/*.md,
+run as pasted.
 
 The one change: the server gets a free port (and the client a matching --target), since the
 README's own server may well be running on 50051 while its reader runs these tests.
@@ -13,6 +14,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,12 +32,50 @@ def code_blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
 
 
+def python_blocks() -> list[tuple[str, str]]:
+    """(where, code) of every python block of README.md and docs/*.md."""
+    blocks = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for match in re.finditer(r"```python\n(.*?)```", text, flags=re.S):
+            line = text.count("\n", 0, match.start()) + 1
+            blocks.append((f"{doc.relative_to(ROOT)}:{line}", match.group(1)))
+    return blocks
+
+
+PYTHON_BLOCKS = python_blocks()
+
+
 def test_the_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one() -> None:
     setup, tests = code_blocks("bash")
     assert len(setup.strip().splitlines()) == 1 and len(tests.strip().splitlines()) == 1
     assert setup.strip().endswith("asyncengine serve")
-    test_command = tests.strip().removeprefix(ACTIVATE)
-    assert test_command in (ROOT / ".ci" / "run").read_text()
+    # serving needs neither the dev tools nor triton: torch's CPU build, the package, the client
+    assert "[dev]" not in setup and "download.pytorch.org/whl/cpu" in setup
+    ci_lines = (ROOT / ".ci" / "run").read_text().replace(" --quiet", "").splitlines()
+    for command in tests.strip().removeprefix(ACTIVATE).split(" && "):
+        assert command in ci_lines, f"{command!r} is not a line of .ci/run"
+
+
+def test_the_python_blocks_are_found() -> None:
+    assert len(PYTHON_BLOCKS) >= len(code_blocks("python")) >= 2
+
+
+@pytest.mark.parametrize(
+    "code", [code for _, code in PYTHON_BLOCKS], ids=[where for where, _ in PYTHON_BLOCKS]
+)
+def test_every_python_block_of_the_docs_runs_as_pasted(code: str, tmp_path: Path) -> None:
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def wait_serving(target: str, process: subprocess.Popen[bytes], timeout: float = 120) -> None:
