@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Everything that needs a GPU, in one run (a device lease is short): the kernels checked against
-# their torch references and timed, then the whole engine on CUDA (sizing, parity, swap,
-# throughput). Tables are printed; JSON reports land in $OUT (or ./gpu-results).
-#
-# The GPU image has torch, triton and transformers but not structlog: carry its wheel in .whl/
-# (see docs/benchmarks.md, "On a GPU"). From the repository root:
+# Everything that needs a GPU, in one run: the kernels checked against their torch references
+# and timed, then the whole engine on CUDA (sizing, parity, swap, throughput). Tables are
+# printed; JSON reports land in $OUT (or ./gpu-results). From the repository root, with torch's
+# CUDA build and `pip install -e '.[dev,cuda]'` (docs/benchmarks.md, "On a GPU"):
 #     bash benchmarks/gpu_session.sh
+# Wheels in .whl/, if any, are installed first and offline: for a machine without a package index.
 set -uo pipefail
 out="${OUT:-gpu-results}"
 mkdir -p "$out"

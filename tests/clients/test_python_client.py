@@ -432,6 +432,25 @@ def test_cli_streams_and_checks_health(fake: FakeServer) -> None:
     assert (out.returncode, out.stdout) == (1, "NOT_SERVING\n")
 
 
+def test_cli_heads_each_of_several_completions_streamed_or_not(fake: FakeServer) -> None:
+    prompts = ["first prompt", "second " + "x" * 60]
+    headers = ["==> prompt 1: 'first prompt' <==", f"==> prompt 2: 'second {'x' * 50}...' <=="]
+    out = run_cli(
+        "generate", *prompts, "--stream", "--max-new-tokens", "2", "--target", fake.address
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [headers[0], " w0 w1", "", headers[1], " w0 w1"]
+    out = run_cli("generate", *prompts, "--target", fake.address)  # unary: reversed prompts
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        headers[0],
+        prompts[0][::-1],
+        "",
+        headers[1],
+        prompts[1][::-1],
+    ]
+
+
 def test_client_imports_neither_torch_nor_the_server() -> None:
     check = (
         "import sys, asyncengine_client, asyncengine_client.cli; "

@@ -15,6 +15,17 @@ from asyncengine_client.results import Delta, Finished, Usage
 from asyncengine_client.sync import Client
 
 
+def _header(ns: argparse.Namespace, index: int) -> None:
+    """With several prompts, head each one's completion as `head` does several files."""
+    if len(ns.prompts) < 2:
+        return
+    prompt = ns.prompts[index]
+    shown = repr(prompt if len(prompt) <= 60 else prompt[:57] + "...")
+    if index:
+        print()  # a blank line between completions
+    print(f"==> prompt {index + 1}: {shown} <==", flush=True)
+
+
 def _generate(client: Client, ns: argparse.Namespace) -> int:
     options: dict[str, Any] = {
         "max_new_tokens": ns.max_new_tokens,
@@ -26,11 +37,13 @@ def _generate(client: Client, ns: argparse.Namespace) -> int:
         "ignore_eos": ns.ignore_eos,
     }
     if not ns.stream:
-        for completion in client.generate(ns.prompts, **options):
+        for index, completion in enumerate(client.generate(ns.prompts, **options)):
+            _header(ns, index)
             print(completion.text)
             print(f"[{completion.finish_reason.value}]", file=sys.stderr)
         return 0
-    for prompt in ns.prompts:
+    for index, prompt in enumerate(ns.prompts):
+        _header(ns, index)
         for event in client.generate_stream(prompt, **options):
             if isinstance(event, Delta):
                 print(event.text, end="", flush=True)
