@@ -1,6 +1,6 @@
 """asyncengine: a paged-KV LLM inference engine with continuous batching."""
 
-from asyncengine.config import EngineArgs, EngineConfig
+from asyncengine.config import AsyncEngineArgs, EngineArgs, EngineConfig
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.engine.llm import LLM
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
@@ -15,6 +15,7 @@ from asyncengine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
     "AsyncLLMEngine",
     "CompletionOutput",
     "DuplicateRequestError",

@@ -23,6 +23,7 @@ def test_engine_args_import_from_vllms_module_path_and_are_the_same_classes() ->
     from asyncengine.engine.arg_utils import EngineArgs as ArgUtilsEngineArgs
 
     assert ArgUtilsEngineArgs is asyncengine.EngineArgs
+    assert AsyncEngineArgs is asyncengine.AsyncEngineArgs
     assert issubclass(AsyncEngineArgs, EngineArgs)
     assert AsyncEngineArgs(disable_log_requests=True).disable_log_requests
 
