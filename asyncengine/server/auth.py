@@ -1,28 +1,53 @@
-"""Bearer-token auth: `authorization: Bearer <token>` metadata, checked before any handler runs."""
+"""Bearer-token auth: `authorization: Bearer <token>` metadata, checked before any handler runs.
+
+Tenant tokens (--auth-token) open Generation, Control tokens (--control-auth-token) open Control;
+neither opens the other. `Tenants` names the tenant of a call, which salts the prefix cache.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health
 
-from asyncengine.server.errors import UnauthenticatedError, abort_rpc
-from asyncengine.server.state import SERVICE_NAMES
+from asyncengine.logging import get_logger
+from asyncengine.server.errors import PermissionDeniedError, UnauthenticatedError, abort_rpc
+from asyncengine.server.options import ServeOptions, parse_auth_token
+from asyncengine.v1 import control_pb2
 
-_CONTROL_PREFIX = f"/{SERVICE_NAMES[1]}/"
+logger = get_logger(__name__)
+
+_CONTROL_PREFIX = f"/{control_pb2.DESCRIPTOR.services_by_name['Control'].full_name}/"
 # probes (kubelet, load balancers) cannot send tokens, and health reveals nothing
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)
+CONTROL_DISABLED_MESSAGE = (
+    "Control is off: this server takes tenant tokens (--auth-token) but has no Control token; "
+    "start the server with --control-auth-token to use Control"
+)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Admits calls that carry one of the accepted tokens; Control may have tokens of its own."""
+    """Admits calls that carry one of the accepted tokens; Control takes only its own.
+
+    `tokens` are --auth-token values (GROUP:TOKEN accepts TOKEN). With tenant tokens and no
+    Control token, Control stays off, so that no tenant can Drain or Abort.
+    """
 
     def __init__(self, tokens: Sequence[str], control_tokens: Sequence[str] = ()) -> None:
-        self._tokens = tuple(tokens)
-        self._control_tokens = tuple(control_tokens) or self._tokens
+        self._tokens = tuple(parse_auth_token(value)[1] for value in tokens)
+        self._control_tokens = tuple(control_tokens)
+        self._is_control_disabled = bool(self._tokens) and not self._control_tokens
+        if self._is_control_disabled:
+            logger.warning(
+                "control_disabled",
+                reason="--auth-token is set and --control-auth-token is not: Control calls get "
+                "PERMISSION_DENIED, so no tenant can Drain or Abort",
+                fix="start the server with --control-auth-token",
+            )
 
     async def intercept_service(
         self,
@@ -30,15 +55,56 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
-        accepted = self._control_tokens if method.startswith(_CONTROL_PREFIX) else self._tokens
         handler = await continuation(handler_call_details)
-        if not accepted or method.startswith(_OPEN_PREFIXES) or handler is None:
+        if method.startswith(_OPEN_PREFIXES) or handler is None:
+            return handler
+        is_control = method.startswith(_CONTROL_PREFIX)
+        if is_control and self._is_control_disabled:
+            return _rejecting(handler, PermissionDeniedError(CONTROL_DISABLED_MESSAGE))
+        accepted = self._control_tokens if is_control else self._tokens
+        if not accepted:
             return handler
         token = _bearer_token(handler_call_details.invocation_metadata or ())
         # compare against every token in constant time so timing reveals nothing
         if token is not None and sum(_equal(token, t) for t in accepted) > 0:
             return handler
-        return _rejecting(handler, "a valid bearer token is required for " + method)
+        return _rejecting(
+            handler, UnauthenticatedError("a valid bearer token is required for " + method)
+        )
+
+
+class Tenants:
+    """The tenant of a call, from its bearer token: the prefix cache's default salt.
+
+    A bare --auth-token TOKEN is a tenant of its own, named by a digest of the token (never the
+    token itself); the tokens of --auth-token GROUP:TOKEN values are one tenant, "group:GROUP".
+    """
+
+    def __init__(self, identities: Mapping[str, str]) -> None:
+        self._identities = dict(identities)  # accepted token -> tenant identity
+
+    @classmethod
+    def from_options(cls, options: ServeOptions) -> Tenants:
+        identities = {}
+        for value in options.auth_tokens:
+            group, token = parse_auth_token(value)
+            identities[token] = _digest(token) if group is None else f"group:{group}"
+        return cls(identities)
+
+    def identity(self, invocation_metadata: Any) -> str | None:
+        """The tenant of a call with this metadata; None when Generation takes no tokens."""
+        if not self._identities:
+            return None
+        token = _bearer_token(invocation_metadata or ())
+        identity = None if token is None else self._identities.get(token)
+        if identity is None:  # the interceptor admits no such call; never fall back to sharing
+            raise UnauthenticatedError("a valid bearer token is required")
+        return identity
+
+
+def _digest(token: str) -> str:
+    # 64 bits tell tenants apart; the token itself must never reach a log or a cache key
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 def _bearer_token(metadata: Any) -> str | None:
@@ -54,14 +120,14 @@ def _equal(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-def _rejecting(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED."""
+def _rejecting(handler: grpc.RpcMethodHandler, error: Exception) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with `error`'s status."""
 
     async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await abort_rpc(context, UnauthenticatedError(message))
+        await abort_rpc(context, error)
 
     async def stream_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await abort_rpc(context, UnauthenticatedError(message))
+        await abort_rpc(context, error)
         yield  # an async generator, as streaming handlers are
 
     codecs = {

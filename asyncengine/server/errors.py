@@ -43,6 +43,10 @@ class UnauthenticatedError(RuntimeError):
     """The call carries no valid bearer token for the service it asks for."""
 
 
+class PermissionDeniedError(RuntimeError):
+    """Control is off (tenant tokens but no Control token): no token may call it."""
+
+
 def _any(message: object) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
@@ -83,6 +87,8 @@ def status_for(exc: BaseException, *, has_partial_output: bool = False) -> statu
         return _status(code_pb2.UNAVAILABLE, exc, _error_info("DRAINING"))
     if isinstance(exc, UnauthenticatedError):
         return _status(code_pb2.UNAUTHENTICATED, exc, _error_info("UNAUTHENTICATED"))
+    if isinstance(exc, PermissionDeniedError):
+        return _status(code_pb2.PERMISSION_DENIED, exc, _error_info("CONTROL_DISABLED"))
     if isinstance(exc, EngineDeadError):
         # nothing generated yet: a retry elsewhere is safe; after partial output it is not
         code = code_pb2.INTERNAL if has_partial_output else code_pb2.UNAVAILABLE

@@ -119,15 +119,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--auth-token",
         action="append",
         default=None,
-        help="bearer token accepted on every service but health (repeat for several; also "
-        "ASYNCENGINE_AUTH_TOKENS, comma-separated, so tokens stay out of `ps`; default: no auth)",
+        help="bearer token of a tenant, accepted by Generation (and reflection); each token is a "
+        "tenant of its own whose prompts share no prefix-cache blocks with other tenants'. "
+        "GROUP:TOKEN (split at the first ':') accepts TOKEN and makes every token of GROUP one "
+        "tenant that shares its cache (repeat for several; also ASYNCENGINE_AUTH_TOKENS, "
+        "comma-separated, so tokens stay out of `ps`; default: no auth)",
     )
     parser.add_argument(
         "--control-auth-token",
         action="append",
         default=None,
-        help="bearer token(s) the Control service requires instead of --auth-token (also "
-        "ASYNCENGINE_CONTROL_AUTH_TOKENS; default: Control takes --auth-token)",
+        help="bearer token the Control service (Abort, Drain, Resume, ...) requires; tenant "
+        "tokens never work there. With --auth-token and no --control-auth-token, Control is off: "
+        "every Control call gets PERMISSION_DENIED (repeat for several; also "
+        "ASYNCENGINE_CONTROL_AUTH_TOKENS; default: none)",
     )
     parser.add_argument(
         "--reflection",
@@ -146,6 +151,12 @@ def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
         control_auth_tokens=_tokens(ns.control_auth_token, "ASYNCENGINE_CONTROL_AUTH_TOKENS"),
         reflection=ns.reflection,
     )
+
+
+def parse_auth_token(value: str) -> tuple[str | None, str]:
+    """(group, token) of an --auth-token value: GROUP:TOKEN names a group, a bare TOKEN none."""
+    group, has_group, token = value.partition(":")
+    return (group, token) if has_group else (None, value)
 
 
 def _tokens(flag_values: list[str] | None, env_name: str) -> tuple[str, ...]:
@@ -169,6 +180,15 @@ def check_options(options: ServeOptions) -> None:
     ]:
         if path and not os.path.isfile(path):
             raise ValueError(f"{flag} {path!r} is not a readable file")
+    groups: dict[str, str | None] = {}
+    for value in options.auth_tokens:  # messages never quote a token: they get logged
+        group, token = parse_auth_token(value)
+        if group == "" or not token:
+            raise ValueError("--auth-token GROUP:TOKEN needs a non-empty GROUP and TOKEN")
+        if groups.setdefault(token, group) != group:
+            raise ValueError("--auth-token: a token is given twice with different groups")
+    if not groups.keys().isdisjoint(options.control_auth_tokens):
+        raise ValueError("--control-auth-token must differ from every --auth-token")
     if options.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     if options.max_connection_age is not None and options.max_connection_age <= 0:

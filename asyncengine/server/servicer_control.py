@@ -1,4 +1,4 @@
-"""The Control service: abort requests, describe the model and the server, watch load, drain."""
+"""The Control service: abort requests, describe the model and server, watch load, drain, resume."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from typing import Any
 import grpc
 
 import asyncengine
+from asyncengine.errors import EngineDeadError
 from asyncengine.server import convert
 from asyncengine.server.convert import FinishReason
+from asyncengine.server.errors import ServerDrainingError, abort_rpc
 from asyncengine.server.state import ServerState
 from asyncengine.v1 import control_pb2 as pb
 from asyncengine.v1 import control_pb2_grpc
@@ -72,3 +74,10 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> Any:
         grace_s = request.grace_period_ms / 1000 or self._state.options.drain_grace_period
         return pb.DrainResponse(aborted=await self._state.drain(grace_s))
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            was_draining = await self._state.resume()
+        except (ServerDrainingError, EngineDeadError) as exc:  # shutting down, or engine dead
+            await abort_rpc(context, exc)
+        return pb.ResumeResponse(was_draining=was_draining)

@@ -15,6 +15,7 @@ from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.errors import DuplicateRequestError, EngineOverloadedError
 from asyncengine.logging import get_logger
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.server.auth import Tenants
 from asyncengine.server.convert import FinishReason
 from asyncengine.server.errors import ServerDrainingError
 from asyncengine.server.options import ServeOptions
@@ -67,6 +68,9 @@ class ServerState:
         self.started_at = time.monotonic()
         self.flights: dict[str, Flight] = {}
         self.is_draining = False
+        self.is_stopping = False  # set by shutdown: its drain is final, no Resume undoes it
+        self._resumed = asyncio.Event()  # a new one per drain; Resume sets it
+        self.tenants = Tenants.from_options(options)
         self.metrics: ServerMetrics | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -122,6 +126,7 @@ class ServerState:
         return aborted
 
     async def set_serving(self, is_serving: bool) -> None:
+        """Readiness ("") and each service's health; the liveness entry is not touched."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if is_serving
@@ -133,16 +138,43 @@ class ServerState:
     async def drain(self, grace_s: float) -> int:
         """Stop admission, let requests in flight finish for `grace_s`, then abort the rest.
 
-        Returns how many had to be aborted; they end with Finished(ABORTED_BY_SERVER).
+        Returns how many had to be aborted; they end with Finished(ABORTED_BY_SERVER). A Resume
+        within the grace period ends the wait and aborts nothing (0).
         """
         if not self.is_draining:
             logger.info("drain_started", in_flight=len(self.flights), grace_s=grace_s)
-        self.is_draining = True
+            self.is_draining = True
+            self._resumed = asyncio.Event()
+        resumed = self._resumed
         await self.set_serving(False)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), grace_s)
+        waits = [asyncio.ensure_future(event.wait()) for event in (self._idle, resumed)]
+        try:
+            await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        if resumed.is_set():
+            return 0
         aborted = self.abort(list(self.flights), FinishReason.ABORTED_BY_SERVER)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), _FLUSH_S)
         logger.info("drain_done", aborted=len(aborted), left=len(self.flights))
         return len(aborted)
+
+    async def resume(self) -> bool:
+        """Undo a Drain: admission reopens and health is SERVING again; whether it was draining.
+
+        A drain that shutdown started is final: raises ServerDrainingError.
+        """
+        if self.is_stopping:
+            raise ServerDrainingError("the server is shutting down; Resume cannot undo that")
+        if not self.is_draining:
+            return False
+        self.engine.check_health()
+        logger.info("drain_resumed", in_flight=len(self.flights))
+        self.is_draining = False
+        self._resumed.set()
+        await self.set_serving(True)
+        if self.is_draining:  # a drain began while health was being set: it wins
+            await self.set_serving(False)
+        return True

@@ -27,6 +27,7 @@ from asyncengine_client import (
 
 ModelDirFactory = Callable[..., Path]  # the `model_dir` fixture of tests/conftest.py
 TOKEN = "e2e-token"
+CONTROL_TOKEN = "e2e-control-token"  # with tenant tokens, Control takes only its own
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -38,13 +39,14 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def target(model_dir: ModelDirFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`host:port` of an `asyncengine serve --auth-token` on the tiny llama, stopped afterwards."""
+    """`host:port` of an `asyncengine serve --auth-token --control-auth-token` on the tiny llama."""
     port = free_port()
     log = tmp_path_factory.mktemp("python-client") / "serve.log"
     command = [
         sys.executable, "-m", "asyncengine.server.cli", "serve",
         "--model", str(model_dir("llama")), "--host", "127.0.0.1", "--port", str(port),
         "--device", "cpu", "--torch-threads", "1", "--auth-token", TOKEN,
+        "--control-auth-token", CONTROL_TOKEN,
         "--num-gpu-blocks-override", "256", "--num-cpu-blocks-override", "64",
     ]  # fmt: skip
     with log.open("wb") as log_file:
@@ -125,24 +127,25 @@ def test_korean_tokenize_detokenize_round_trip(target: str) -> None:
 
 
 def test_abort_ends_the_stream_cancelled(target: str) -> None:
-    with Client(target, token=TOKEN) as client:
+    with Client(target, token=TOKEN) as client, Client(target, token=CONTROL_TOKEN) as control:
         events = []
         stream = client.generate_stream("hi", request_id="to-abort", max_new_tokens=1000, **GREEDY)
         for event in stream:
             events.append(event)
             if isinstance(event, Delta) and event.completion_tokens == 2:
-                assert client.abort(["to-abort", "unknown"]) == ["to-abort"]
+                assert control.abort(["to-abort", "unknown"]) == ["to-abort"]
     assert isinstance(events[-2], Finished) and events[-2].reason is FinishReason.CANCELLED
     assert isinstance(events[-1], Usage) and events[-1].completion_tokens < 1000
 
 
 def test_errors_are_typed(target: str) -> None:
-    with Client(target) as client, pytest.raises(AuthError):
-        client.model_info()
-    with Client(target, token=TOKEN) as client:
-        assert client.model_info().max_context_length > 0
-        with pytest.raises(InvalidRequestError) as caught:
-            client.generate(["hi"], temperature=-1.0)
+    for token in (None, TOKEN):  # a tenant's token does not open Control
+        with Client(target, token=token) as client, pytest.raises(AuthError):
+            client.model_info()
+    with Client(target, token=CONTROL_TOKEN) as control:
+        assert control.model_info().max_context_length > 0
+    with Client(target, token=TOKEN) as client, pytest.raises(InvalidRequestError) as caught:
+        client.generate(["hi"], temperature=-1.0)
     assert caught.value.field == "sampling.temperature"
 
 
@@ -158,3 +161,19 @@ def test_cli_generate_stream(target: str) -> None:
         (completion,) = client.generate(["Explain AI simply"], max_new_tokens=6, **GREEDY)
     assert out.stdout == completion.text + "\n"
     assert "[length]" in out.stderr and "completion 6 tokens" in out.stderr
+
+
+def test_drain_then_resume_puts_the_server_back_in_service(target: str) -> None:
+    async def drain_and_resume() -> tuple[int, str, bool]:
+        async with AsyncClient(target, token=CONTROL_TOKEN) as control:
+            aborted = await control.drain(grace_period_ms=100)
+            return aborted, await control.health(), await control.resume()
+
+    with Client(target, token=CONTROL_TOKEN) as control, Client(target, token=TOKEN) as client:
+        assert control.resume() is False  # not draining: a no-op
+        assert asyncio.run(drain_and_resume()) == (0, "NOT_SERVING", True)
+        assert control.health() == "SERVING" and not control.server_info().draining
+        (completion,) = client.generate(["hi"], max_new_tokens=2, **GREEDY)  # admission is open
+        assert control.drain(grace_period_ms=100) == 0 and control.health() == "NOT_SERVING"
+        assert control.resume() is True and control.health() == "SERVING"
+    assert completion.usage.completion_tokens == 2

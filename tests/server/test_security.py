@@ -1,4 +1,4 @@
-"""TLS, mutual TLS, bearer tokens, admission limits and Drain.
+"""TLS, mutual TLS, bearer tokens and tenants, admission limits, Drain and Resume.
 
 Each test builds a real server on loopback from `asyncengine serve` flags, in this process (the
 engine loads in milliseconds once its imports are warm, a new process takes ~10 s), and talks
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,15 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from structlog.testing import capture_logs
 
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.server import app
+from asyncengine.server.auth import Tenants
 from asyncengine.server.cli import build_parser, engine_args_from
-from asyncengine.server.options import check_options, serve_options_from
+from asyncengine.server.errors import UnauthenticatedError
+from asyncengine.server.options import ServeOptions, check_options, serve_options_from
+from asyncengine.server.state import SERVICE_NAMES, ServerState
 from asyncengine.v1 import control_pb2 as cpb
 from asyncengine.v1 import generation_pb2 as pb
 
@@ -43,6 +48,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TOKENS = ("alpha-token", "beta-token")
 CONTROL_TOKEN = "ops-token"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED
+CACHED_PROMPT = list(range(100, 180))  # 80 tokens: five full blocks of 16
 
 
 def bearer(token: str) -> list[tuple[str, str]]:
@@ -67,22 +74,28 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
+async def start_server(model: Path, *flags: str) -> tuple[grpc.aio.Server, ServerState, str]:
+    """A started server on the tiny model from `asyncengine serve` flags, and its target."""
+    argv = ["serve", "--model", str(model), "--host", "127.0.0.1"]
+    argv += ["--port", "0", "--device", "cpu", "--num-gpu-blocks-override", "512"]
+    argv += ["--num-cpu-blocks-override", "16", "--drain-grace-period", "1.0", *flags]
+    ns = build_parser().parse_args(argv)
+    options = serve_options_from(ns)
+    check_options(options)
+    engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns))
+    server, state, port = await app.start(engine, options)
+    return server, state, f"127.0.0.1:{port}"
+
+
 @pytest.fixture
 def serving(model_dir: Callable[..., Path]) -> Callable[..., Any]:
     """`async with serving(*serve_flags) as target`: a started server, stopped on exit."""
 
     @contextlib.asynccontextmanager
     async def serve(*flags: str) -> AsyncIterator[str]:
-        argv = ["serve", "--model", str(model_dir("llama")), "--host", "127.0.0.1"]
-        argv += ["--port", "0", "--device", "cpu", "--num-gpu-blocks-override", "512"]
-        argv += ["--num-cpu-blocks-override", "16", "--drain-grace-period", "1.0", *flags]
-        ns = build_parser().parse_args(argv)
-        options = serve_options_from(ns)
-        check_options(options)
-        engine = AsyncLLMEngine.from_engine_args(engine_args_from(ns))
-        server, state, port = await app.start(engine, options)
+        server, state, target = await start_server(model_dir("llama"), *flags)
         try:
-            yield f"127.0.0.1:{port}"
+            yield target
         finally:
             assert await app.stop(server, state) == 0
 
@@ -109,6 +122,36 @@ async def status_of(call: Any) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await (read_rest(call) if hasattr(call, "read") else call)
     return error.value
+
+
+async def outcome_of(call: Any) -> Any:
+    """What an awaitable call returns, or the error it ends with."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as error:
+        return error
+
+
+async def health_of(chan: Any, service: str = "") -> int:
+    return (
+        await health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=service))
+    ).status
+
+
+async def wait_for_health(chan: Any, status: int) -> None:
+    """Poll readiness until it is `status` (a drain sets it before it starts waiting)."""
+
+    async def poll() -> None:
+        while await health_of(chan) != status:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(poll(), 10)
+
+
+async def cached_tokens(chan: Any, token: str) -> int:
+    """Usage.cached_tokens of CACHED_PROMPT sent with `token`."""
+    call = stubs(chan)[0].GenerateStream(greedy_request(CACHED_PROMPT, 2), metadata=bearer(token))
+    return (await read_rest(call))[-1].usage.cached_tokens
 
 
 def test_tls_accepts_trusting_clients_and_refuses_others(serving: Any, pki: dict[str, Any]) -> None:
@@ -153,13 +196,18 @@ def test_bearer_tokens_guard_every_service_but_health(serving: Any) -> None:
             generation, control = stubs(chan)
             for token in TOKENS:
                 assert (await tokenize(target, bearer(token))).results[0].token_count > 0
-            for metadata in (None, bearer("wrong"), [("authorization", TOKENS[0])]):
+            for metadata in (
+                None,
+                bearer("wrong"),
+                [("authorization", TOKENS[0])],
+                bearer(CONTROL_TOKEN),
+            ):
                 error = await status_of(tokenize(target, metadata))
                 assert error.code() == UNAUTHENTICATED
                 assert detail(error, error_details_pb2.ErrorInfo).reason == "UNAUTHENTICATED"
             stream = generation.GenerateStream(greedy_request("x", 2))
             assert (await status_of(stream)).code() == UNAUTHENTICATED
-            # Control takes its own token only
+            # Control takes its own token only (the Control token opens nothing else)
             info = cpb.GetServerInfoRequest()
             denied = control.GetServerInfo(info, metadata=bearer(TOKENS[0]))
             assert (await status_of(denied)).code() == UNAUTHENTICATED
@@ -251,3 +299,158 @@ def test_prompt_larger_than_the_kv_cache_is_refused_before_acceptance(serving: A
         assert events(fits)[0] == "accepted" and events(fits)[-1] == "usage"
 
     asyncio.run(main())
+
+
+def test_control_is_off_when_only_tenant_tokens_are_set(serving: Any) -> None:
+    """With --auth-token and no --control-auth-token, no token opens Control: no tenant drains."""
+
+    async def main() -> None:
+        with capture_logs() as logs:
+            async with serving("--auth-token", TOKENS[0]) as target, channel(target) as chan:
+                generation, control = stubs(chan)
+                info = cpb.GetServerInfoRequest()
+                refusals = [
+                    await status_of(control.GetServerInfo(info, metadata=metadata))
+                    for metadata in (bearer(TOKENS[0]), None, bearer("wrong"))
+                ]
+                for call in (
+                    control.Drain(cpb.DrainRequest(), metadata=bearer(TOKENS[0])),
+                    control.Resume(cpb.ResumeRequest(), metadata=bearer(TOKENS[0])),
+                    control.WatchLoad(cpb.WatchLoadRequest(), metadata=bearer(TOKENS[0])),
+                ):
+                    refusals.append(await status_of(call))
+                status = await health_of(chan)
+                stream = generation.GenerateStream(
+                    greedy_request("x", 2), metadata=bearer(TOKENS[0])
+                )
+                served = await read_rest(stream)
+        for error in refusals:
+            assert error.code() == PERMISSION_DENIED, error
+            assert detail(error, error_details_pb2.ErrorInfo).reason == "CONTROL_DISABLED"
+            assert "start the server with --control-auth-token" in error.details()
+        assert status == SERVING  # the refused Drain did nothing
+        assert events(served)[-1] == "usage"
+        warnings = [r for r in logs if r["event"] == "control_disabled"]
+        assert len(warnings) == 1 and warnings[0]["log_level"] == "warning", warnings
+        assert "--control-auth-token" in warnings[0]["fix"]
+
+    asyncio.run(main())
+
+
+def test_resume_undoes_a_drain_within_its_grace_period(serving: Any) -> None:
+    async def main() -> None:
+        async with serving() as target, channel(target) as chan:
+            generation, control = stubs(chan)
+            idle_resume = await control.Resume(cpb.ResumeRequest())
+            long = generation.GenerateStream(greedy_request([7, 9], None, request_id="long"))
+            await read_until(long, "delta")
+            drain = control.Drain(cpb.DrainRequest(grace_period_ms=60_000))
+            await wait_for_health(chan, NOT_SERVING)
+            refused = await status_of(generation.GenerateStream(greedy_request("x", 2)))
+            resumed = await control.Resume(cpb.ResumeRequest())
+            drained = await asyncio.wait_for(drain, 10)  # long before its 60 s grace period
+            statuses = [await health_of(chan, name) for name in ("", *SERVICE_NAMES)]
+            served = await read_rest(generation.GenerateStream(greedy_request("x", 2)))
+            await read_until(long, "delta")  # the drain aborted nothing: still generating
+            await control.Abort(cpb.AbortRequest(request_ids=["long"]))
+            long_end = await read_rest(long)
+            info = await control.GetServerInfo(cpb.GetServerInfoRequest())
+        assert not idle_resume.was_draining
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert resumed.was_draining and drained.aborted == 0
+        assert statuses == [SERVING] * 3
+        assert events(served)[0] == "accepted" and events(served)[-1] == "usage"
+        assert long_end[-2].finished.reason == pb.CANCELLED
+        assert not info.draining
+
+    asyncio.run(main())
+
+
+def test_resume_cannot_undo_a_shutdown(model_dir: Callable[..., Path]) -> None:
+    """The drain that SIGTERM starts (app.stop) is final."""
+
+    async def main() -> None:
+        server, state, target = await start_server(model_dir("llama"), "--drain-grace-period", "2")
+        async with channel(target) as chan:
+            generation, control = stubs(chan)
+            long = generation.GenerateStream(greedy_request([7, 9], None))
+            await read_until(long, "delta")
+            reading = asyncio.create_task(read_rest(long))  # keeps reading, as a live client does
+            stopping = asyncio.create_task(app.stop(server, state))
+            try:
+                await wait_for_health(chan, NOT_SERVING)
+                # outcomes, not raises: a Resume that reopens lets the stop finish at once
+                refused = await outcome_of(control.Resume(cpb.ResumeRequest()))
+                status = await outcome_of(health_of(chan))
+            finally:  # a failure here must not leave the server and its engine running
+                exit_code = await asyncio.wait_for(stopping, 30)
+            long_end = await outcome_of(reading)
+        assert isinstance(refused, grpc.aio.AioRpcError), f"Resume reopened: {refused}"
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE
+        assert detail(refused, error_details_pb2.ErrorInfo).reason == "DRAINING"
+        assert status == NOT_SERVING
+        assert long_end[-2].finished.reason == pb.ABORTED_BY_SERVER
+        assert exit_code == 0
+
+    asyncio.run(main())
+
+
+def test_tenants_share_no_cached_prompts_unless_grouped(serving: Any) -> None:
+    """A prefix-cache hit must not tell one tenant what another sent (Usage.cached_tokens)."""
+    flags = ["--auth-token", TOKENS[0], "--auth-token", TOKENS[1]]
+    flags += ["--auth-token", "team:gamma-token", "--auth-token", "team:delta-token"]
+
+    async def main() -> None:
+        async with serving(*flags) as target, channel(target) as chan:
+            alpha_first = await cached_tokens(chan, TOKENS[0])
+            beta = await cached_tokens(chan, TOKENS[1])
+            alpha_again = await cached_tokens(chan, TOKENS[0])
+            gamma = await cached_tokens(chan, "gamma-token")
+            delta = await cached_tokens(chan, "delta-token")  # gamma's group-mate
+            whole_value = await status_of(tokenize(target, bearer("team:gamma-token")))
+        assert alpha_first == 0
+        assert beta == 0, "beta's prompt hit alpha's cached blocks"
+        assert alpha_again > 0
+        assert gamma == 0 and delta > 0
+        assert whole_value.code() == UNAUTHENTICATED  # GROUP:TOKEN accepts TOKEN alone
+
+    asyncio.run(main())
+
+
+def test_tenants_name_each_bare_token_apart_and_each_group_once() -> None:
+    tenants = Tenants.from_options(
+        ServeOptions(auth_tokens=("alpha-token", "beta-token", "team:g1", "team:g2", "ops:o1"))
+    )
+    alpha, beta, g1, g2, o1 = (
+        tenants.identity(bearer(t)) for t in ("alpha-token", "beta-token", "g1", "g2", "o1")
+    )
+    assert alpha is not None and beta is not None and alpha != beta
+    # a short sha256 digest: the token itself never becomes a cache key
+    assert 8 <= len(alpha) < 64 and hashlib.sha256(b"alpha-token").hexdigest().startswith(alpha)
+    assert tenants.identity(bearer("alpha-token")) == alpha  # stable
+    assert g1 == g2 == "group:team" and o1 == "group:ops"
+    for metadata in (None, bearer("team:g1"), bearer("unknown")):  # the interceptor admits none
+        with pytest.raises(UnauthenticatedError):
+            tenants.identity(metadata)
+    # auth off for Generation: no tenant, whatever the call carries
+    assert Tenants.from_options(ServeOptions()).identity(bearer("alpha-token")) is None
+    assert Tenants.from_options(ServeOptions(control_auth_tokens=("ops",))).identity(None) is None
+
+
+@pytest.mark.parametrize(
+    ("tokens", "control_tokens", "message"),
+    [
+        ((":s3cret",), (), "non-empty GROUP"),
+        (("team:",), (), "non-empty GROUP"),
+        (("a:s3cret", "b:s3cret"), (), "different groups"),
+        (("s3cret", "a:s3cret"), (), "different groups"),
+        (("team:s3cret",), ("s3cret",), "must differ"),
+    ],
+)
+def test_check_options_refuses_ambiguous_tokens(
+    tokens: tuple[str, ...], control_tokens: tuple[str, ...], message: str
+) -> None:
+    options = ServeOptions(auth_tokens=tokens, control_auth_tokens=control_tokens)
+    with pytest.raises(ValueError, match=message) as caught:
+        check_options(options)
+    assert "s3cret" not in str(caught.value)  # messages get logged: they never quote a token

@@ -143,6 +143,22 @@ class AsyncClient:
         response = await self._unary(self._control.Abort, request, timeout)
         return list(response.aborted_ids)
 
+    async def drain(self, grace_period_ms: int = 0, *, timeout: float | None = None) -> int:
+        """Stop admission and turn health NOT_SERVING; how many requests had to be aborted.
+
+        Requests in flight get `grace_period_ms` (0: the server's default) to finish first.
+        """
+        request = control_pb2.DrainRequest(grace_period_ms=grace_period_ms)
+        return int((await self._unary(self._control.Drain, request, timeout)).aborted)
+
+    async def resume(self, *, timeout: float | None = None) -> bool:
+        """Undo a drain (not a shutdown's): admission reopens and health is SERVING again.
+
+        Returns whether the server was draining; on one that was not, a no-op.
+        """
+        request = control_pb2.ResumeRequest()
+        return bool((await self._unary(self._control.Resume, request, timeout)).was_draining)
+
     async def model_info(self, *, timeout: float | None = None) -> results.ModelInfo:
         request = control_pb2.GetModelInfoRequest()
         msg = await self._unary(self._control.GetModelInfo, request, timeout)

@@ -136,6 +136,22 @@ class Client:
         request = control_pb2.AbortRequest(request_ids=request_ids)
         return list(self._unary(self._control.Abort, request, timeout).aborted_ids)
 
+    def drain(self, grace_period_ms: int = 0, *, timeout: float | None = None) -> int:
+        """Stop admission and turn health NOT_SERVING; how many requests had to be aborted.
+
+        Requests in flight get `grace_period_ms` (0: the server's default) to finish first.
+        """
+        request = control_pb2.DrainRequest(grace_period_ms=grace_period_ms)
+        return int(self._unary(self._control.Drain, request, timeout).aborted)
+
+    def resume(self, *, timeout: float | None = None) -> bool:
+        """Undo a drain (not a shutdown's): admission reopens and health is SERVING again.
+
+        Returns whether the server was draining; on one that was not, a no-op.
+        """
+        request = control_pb2.ResumeRequest()
+        return bool(self._unary(self._control.Resume, request, timeout).was_draining)
+
     def model_info(self, *, timeout: float | None = None) -> results.ModelInfo:
         msg = self._unary(self._control.GetModelInfo, control_pb2.GetModelInfoRequest(), timeout)
         return results.from_proto(results.ModelInfo, msg)
