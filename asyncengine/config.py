@@ -13,6 +13,7 @@ PREEMPTION_MODES = ("auto", "swap", "recompute")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1024
 GiB = 1 << 30
+PROMPT_BYTES_PER_TOKEN = 32  # far above any tokenizer's average: real prompts are never refused
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class SchedulerConfig:
     preemption_mode: Literal["auto", "swap", "recompute"]
     # the operator's stated peak of concurrent requests, checked against max_num_seqs at start
     expected_concurrency: int | None = None
+    # a text prompt longer than this (UTF-8 bytes) is refused before it is tokenized
+    max_prompt_bytes: int = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     quantization: str | None = None
     expected_concurrency: int | None = None
+    # text prompts are measured before tokenizing; default: 32 bytes per token of max_model_len
+    max_prompt_bytes: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -172,6 +177,7 @@ class EngineArgs:
             "max_model_len",
             "num_gpu_blocks_override",
             "expected_concurrency",
+            "max_prompt_bytes",
         ):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, ">= 1 or None", value)
@@ -223,6 +229,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
             expected_concurrency=self.expected_concurrency,
+            max_prompt_bytes=self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len,
         )
         backend = _resolve_attention_backend(self.attention_backend, device)
         return EngineConfig(

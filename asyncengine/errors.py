@@ -1,14 +1,26 @@
-"""The failures a caller can act on, one type each (the gRPC layer maps each to one status)."""
+"""The failures a caller can act on, one type each (each front end maps each to one status)."""
 
 from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """The request itself is wrong (bad field, too long, can never fit): fix it, don't retry."""
+    """The request itself is wrong (bad field, too long, can never fit): fix it, don't retry.
+
+    `field` names the engine's field (`prompt`, `request_id`, `stop_token_ids`, ...); front
+    ends translate it to their own names through a table, never by parsing the message.
+    """
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
 
 
 class DuplicateRequestError(InvalidRequestError):
     """A request with this id is still in flight."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__("request_id", f"{request_id!r} is already in flight")
 
 
 class EngineOverloadedError(RuntimeError):
@@ -19,5 +31,13 @@ class EngineOverloadedError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (a bug, logged with its cause); the engine and
+    every other request go on. Not retryable as is."""
+
+
 class EngineDeadError(RuntimeError):
-    """The engine stopped (a fatal error in its step loop, or shutdown); `__cause__` says why."""
+    """The engine stopped (a fatal error in its step loop, or shutdown); `__cause__` says why.
+
+    The message is the same for every stream: it never carries another request's values.
+    """

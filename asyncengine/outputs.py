@@ -4,25 +4,43 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from asyncengine.core.request import FinishReason
+
+__all__ = ["CompletionOutput", "FinishReason", "Logprobs", "RequestMetrics", "RequestOutput"]
+
 # token id -> logprob for the sampled token and the top-n alternatives at one position
 Logprobs = dict[int, float]
 
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request: text and token ids generated so far."""
+    """One sample of a request: text and token ids generated so far (or, for a DELTA output,
+    since the last output its caller took)."""
 
     index: int
     text: str
     token_ids: list[int]
     logprobs: list[Logprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish: FinishReason | None = None  # why the sample ended; None while it runs
     # the stop string or stop token id that ended the sample (None for eos or length)
     stop_reason: str | int | None = None
 
     @property
+    def finish_reason(self) -> str | None:
+        """vLLM's string: "stop" | "length" | "abort" | "error"; None while running."""
+        return None if self.finish is None else self.finish.vllm_name
+
+    @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish is not None
+
+    def extend(self, later: CompletionOutput) -> None:
+        """Append a later DELTA of the same sample to this one."""
+        self.text += later.text
+        self.token_ids = self.token_ids + later.token_ids
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finish, self.stop_reason = later.finish, later.stop_reason
 
 
 @dataclass
@@ -35,6 +53,7 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    num_output_tokens: int = 0  # of the longest sample, so far (whatever the output kind)
 
 
 @dataclass
@@ -46,5 +65,17 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    error: str | None = None
+    error: str | None = None  # why it failed, when it ended rejected or with an error
     metrics: RequestMetrics | None = None
+
+    def extend(self, later: RequestOutput) -> None:
+        """Merge a later DELTA output of the same request into this one, which the caller
+        has not taken yet: nothing is lost, and the pending outputs stay one."""
+        by_index = {c.index: c for c in self.outputs}
+        for completion in later.outputs:
+            if completion.index in by_index:
+                by_index[completion.index].extend(completion)
+            else:
+                self.outputs.append(completion)
+        self.outputs.sort(key=lambda c: c.index)
+        self.finished, self.error, self.metrics = later.finished, later.error, later.metrics

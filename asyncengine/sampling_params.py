@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
+import enum
+import math
+from collections.abc import Sized
 from dataclasses import dataclass, field
+
+from asyncengine.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
 MAX_SAMPLES = 64
+# bounds on what one request may carry, checked by count before anything is copied or scanned
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of `generate` carries (vLLM's names)."""
+
+    CUMULATIVE = enum.auto()  # everything so far
+    DELTA = enum.auto()  # only what is new since the last output the caller took
+    FINAL_ONLY = enum.auto()  # one output, the final one
 
 
 @dataclass
@@ -13,7 +41,9 @@ class SamplingParams:
     """How one request samples and when it stops (vLLM's field names and defaults).
 
     `temperature=0` means greedy. `seed` makes a request's samples reproducible whatever else
-    is in the batch. Every field is checked here; a bad value raises `ValueError` naming it.
+    is in the batch. Every value is checked here on its own; a bad one raises
+    `InvalidRequestError` (a `ValueError`) naming the field. What depends on the model (token
+    ids against the vocabulary, lengths against the context) the engine's validator checks.
     """
 
     n: int = 1
@@ -33,14 +63,25 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         stop: object = self.stop
-        self.stop = [stop] if isinstance(stop, str) else list(self.stop or [])
+        stops = [stop] if isinstance(stop, str) else self.stop or []
+        _check_count(stops, "stop", MAX_STOP_STRINGS)
+        _check_count(self.stop_token_ids or [], "stop_token_ids", MAX_STOP_TOKEN_IDS)
+        _check_count(self.logit_bias or {}, "logit_bias", MAX_LOGIT_BIAS)
+        self.stop = list(stops)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(math.isfinite(value), name, "must be a finite number", value)
         _check(1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]", self.n)
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
@@ -68,10 +109,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, "must be in [-2, 2]", value)
         _check(
-            all(isinstance(s, str) and s for s in self.stop),
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_LEN for s in self.stop),
             "stop",
-            "must be non-empty strings",
-            self.stop,
+            f"must be non-empty strings of at most {MAX_STOP_STRING_LEN} characters",
+            [s[:MAX_STOP_STRING_LEN] for s in self.stop if isinstance(s, str)][:4],
         )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -81,6 +122,16 @@ class SamplingParams:
         )
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]", self.logprobs)
+        if self.logit_bias:
+            _check(
+                all(
+                    isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                    for t, b in self.logit_bias.items()
+                ),
+                "logit_bias",
+                "must map non-negative token ids to biases in [-100, 100]",
+                dict(list(self.logit_bias.items())[:4]),
+            )
 
     @property
     def is_greedy(self) -> bool:
@@ -97,4 +148,11 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+        raise InvalidRequestError(name, f"{rule}, got {value!r}")
+
+
+def _check_count(values: object, name: str, limit: int) -> None:
+    """Bound a collection by its length alone, before anything walks it."""
+    num_values = len(values) if isinstance(values, Sized) else 0
+    if num_values > limit:
+        raise InvalidRequestError(name, f"at most {limit} entries, got {num_values}")

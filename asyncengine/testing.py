@@ -338,3 +338,62 @@ def _init_weights(model: PreTrainedModel) -> None:
         else:
             # nn.Linear weights are (out_features, in_features)
             param.normal_(0.0, 1.5 / math.sqrt(param.shape[1]))
+
+
+# -- test hooks for `asyncengine serve` ------------------------------------------------------
+
+
+def fake_engine(engine_args: Any) -> Any:
+    """An AsyncLLMEngine whose runner scripts tokens instantly (benchmarks, balancing tests)."""
+    from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+    from asyncengine.engine.llm_engine import LLMEngine
+    from asyncengine.logging import get_logger
+    from asyncengine.worker.fake_runner import FakeModelRunner, count_up
+
+    config = engine_args.create_engine_config()
+    vocab_size = int(config.model_config.hf_config.vocab_size)
+    get_logger(__name__).warning("fake_runner", note="tokens are scripted; the model does not run")
+    return AsyncLLMEngine(LLMEngine(config, FakeModelRunner(config, count_up(vocab_size))))
+
+
+def fail_after_steps(engine: Any, fault_at: int) -> Any:
+    """Make the engine's `fault_at`-th step (and every later one) raise: the engine dies."""
+    execute, num_steps = engine.engine.execute, 0
+
+    def failing_execute(plan: Any) -> Any:
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps >= fault_at:
+            raise RuntimeError(f"injected fault at step {fault_at}")
+        return execute(plan)
+
+    engine.engine.execute = failing_execute
+    return engine
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`python -m asyncengine.testing serve ...`: `asyncengine serve` with two test hooks,
+    `--fake-runner` (scripted tokens, no model) and `--fault-after-steps N` (the Nth step
+    raises). Never for production: the hooks exist to test and measure the server itself."""
+    import argparse
+    import sys
+
+    from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+    from asyncengine.server import cli
+
+    hooks = argparse.ArgumentParser(add_help=False)
+    hooks.add_argument("--fake-runner", action="store_true")
+    hooks.add_argument("--fault-after-steps", type=int, default=None)
+    ns, rest = hooks.parse_known_args(sys.argv[1:] if argv is None else argv)
+
+    def make_engine(args: Any) -> Any:
+        engine = fake_engine(args) if ns.fake_runner else AsyncLLMEngine.from_engine_args(args)
+        if ns.fault_after_steps is not None:
+            fail_after_steps(engine, ns.fault_after_steps)
+        return engine
+
+    return cli.main(rest, make_engine)
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_main())

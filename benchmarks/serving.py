@@ -9,7 +9,8 @@ sees them.
     python benchmarks/serving.py --model DIR --concurrency 1 8 --json
     python benchmarks/serving.py --fake-runner            # the server's own cost, no model
 
-With --fake-runner the server scripts tokens instantly (a hidden `serve --fake-runner` flag), and
+With --fake-runner the server scripts tokens instantly (`python -m asyncengine.testing serve
+--fake-runner`), and
 the same load also runs in-process through `AsyncLLMEngine` with the same fake runner: the ratio
 of the two is what gRPC, the servicer and the client cost per token.
 
@@ -79,6 +80,8 @@ class Server:
         script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
         command = [script, "serve"] if script else [sys.executable, "-m", "asyncengine.server.cli",
                                                     "serve"]  # fmt: skip
+        if "--fake-runner" in flags:  # the test hook lives in its own entry point
+            command = [sys.executable, "-m", "asyncengine.testing", "serve"]
         command += ["--model", model, "--host", "127.0.0.1", "--port", str(self.port), *flags]
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -182,12 +185,12 @@ async def in_process(
     model: str, concurrency: int, reqs: list[list[int]], max_tokens: int, max_num_seqs: int
 ) -> dict[str, Any]:
     """The same closed loop through AsyncLLMEngine with the fake runner: no gRPC at all."""
-    from asyncengine import AsyncLLMEngine, EngineArgs, SamplingParams
-    from asyncengine.server.app import fake_engine
+    from asyncengine import EngineArgs, SamplingParams
+    from asyncengine.testing import fake_engine
 
     args = EngineArgs(model=model, device="cpu", max_num_seqs=max_num_seqs,
                       num_gpu_blocks_override=4096, num_cpu_blocks_override=0)  # fmt: skip
-    engine = AsyncLLMEngine(fake_engine(args))
+    engine = fake_engine(args)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0)
     queue, tokens, ids = list(reqs), 0, iter(range(10**9))
 

@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 
 from asyncengine import LLM, EngineArgs, LLMEngine, SamplingParams
 from asyncengine.engine import llm_engine
+from asyncengine.errors import InvalidRequestError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -211,12 +212,12 @@ def test_request_that_can_never_fit_the_cache_is_rejected(model_dir) -> None:
 
 
 @pytest.mark.parametrize(
-    "prompt, match",
-    [([], "prompt is empty"), ("", "prompt is empty"), ([1, 10**9], "prompt token ids")],
+    "prompt, match", [([], "is empty"), ("", "is empty"), ([1, 10**9], "token ids must be in")]
 )
 def test_bad_prompts_are_rejected_by_name(llm: LLM, prompt, match) -> None:
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(InvalidRequestError, match=match) as caught:
         llm.llm_engine.add_request("bad", prompt, SamplingParams())
+    assert caught.value.field == "prompt"
 
 
 def test_duplicate_request_id_is_rejected(llm: LLM) -> None:
@@ -246,3 +247,16 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path, model
 def test_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not a local directory"):
         EngineArgs(model=str(tmp_path / "nowhere")).create_engine_config()
+
+
+def test_abort_right_after_the_fork_ends_every_sample(llm: LLM) -> None:
+    """Samples forked but not yet sampled end with their request (the engine once asserted)."""
+    engine: LLMEngine = llm.llm_engine
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1)
+    engine.add_request("forked", PROMPTS[0], params)
+    while len(engine.scheduler.requests) < 3:  # the step that forks samples 1 and 2
+        engine.step()
+    (final,) = engine.abort_request("forked")
+    assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"]
+    assert not engine.has_unfinished_requests()
+    assert_all_blocks_free(llm)

@@ -5,6 +5,13 @@ from __future__ import annotations
 import pytest
 
 from asyncengine import EngineArgs, SamplingParams
+from asyncengine.errors import InvalidRequestError
+from asyncengine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 
 @pytest.mark.parametrize(
@@ -23,18 +30,40 @@ from asyncengine import EngineArgs, SamplingParams
         ("presence_penalty", 2.5),
         ("frequency_penalty", -3.0),
         ("stop", [""]),
+        ("stop", ["x" * (MAX_STOP_STRING_LEN + 1)]),
+        ("stop", ["a"] * (MAX_STOP_STRINGS + 1)),
+        ("stop", ["a"] * 1_000_000),
         ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
         ("logprobs", 21),
+        ("temperature", float("nan")),
+        ("top_p", float("nan")),
+        ("presence_penalty", float("inf")),
+        ("logit_bias", {1: 101.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", dict.fromkeys(range(MAX_LOGIT_BIAS + 1), 1.0)),
     ],
 )
 def test_bad_sampling_params_name_the_field(field: str, value: object) -> None:
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+    with pytest.raises(InvalidRequestError) as caught:
         SamplingParams(**{field: value})
+    assert caught.value.field == field
+    assert isinstance(caught.value, ValueError)  # what vLLM raises, for code that catches it
+
+
+def test_a_million_stop_strings_are_refused_by_count_before_any_scan() -> None:
+    class Unscannable(list[str]):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("the stop strings were walked before their count was checked")
+
+    with pytest.raises(InvalidRequestError, match="at most"):
+        SamplingParams(stop=Unscannable(["a"] * 1_000_000))
 
 
 def test_min_tokens_above_max_tokens_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"SamplingParams\.min_tokens .*max_tokens"):
+    with pytest.raises(InvalidRequestError, match=r"min_tokens: .*max_tokens") as caught:
         SamplingParams(min_tokens=10, max_tokens=5)
+    assert caught.value.field == "min_tokens"
 
 
 def test_sampling_params_defaults_and_normalisation() -> None:

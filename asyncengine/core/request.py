@@ -13,6 +13,8 @@ _arrival_counter = itertools.count()
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is; the precise reason a finished one ended is its `FinishReason`."""
+
     WAITING = enum.auto()
     RUNNING = enum.auto()
     SWAPPED = enum.auto()
@@ -20,14 +22,11 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # could never be scheduled (too long for the cache)
+    FINISHED_ERROR = enum.auto()  # a failure of this request alone (sampling, stops, text)
 
     @property
     def is_finished(self) -> bool:
         return self in _FINISHED
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
 
 
 _FINISHED = {
@@ -35,13 +34,57 @@ _FINISHED = {
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
     RequestStatus.FINISHED_IGNORED,
+    RequestStatus.FINISHED_ERROR,
 }
-_FINISH_REASONS = {
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended: decided once, where the stop is decided; front ends map it."""
+
+    EOS = enum.auto()
+    STOP_STRING = enum.auto()
+    STOP_TOKEN = enum.auto()
+    LENGTH = enum.auto()  # max_tokens reached
+    CONTEXT_LIMIT = enum.auto()  # max_model_len reached
+    CACHE_LIMIT = enum.auto()  # the whole KV cache is full: the sequence cannot grow
+    ABORTED = enum.auto()
+    REJECTED = enum.auto()  # could never be scheduled
+    ERROR = enum.auto()  # this request's own failure; the engine kept stepping
+
+    @property
+    def status(self) -> RequestStatus:
+        return _STATUS_OF[self]
+
+    @property
+    def vllm_name(self) -> str:
+        """vLLM's `finish_reason` string: "stop", "length", "abort" or "error"."""
+        return _VLLM_NAMES[self.status]
+
+
+_STATUS_OF = {
+    FinishReason.EOS: RequestStatus.FINISHED_STOPPED,
+    FinishReason.STOP_STRING: RequestStatus.FINISHED_STOPPED,
+    FinishReason.STOP_TOKEN: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.CONTEXT_LIMIT: RequestStatus.FINISHED_LENGTH,
+    FinishReason.CACHE_LIMIT: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORTED: RequestStatus.FINISHED_ABORTED,
+    FinishReason.REJECTED: RequestStatus.FINISHED_IGNORED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+_VLLM_NAMES = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "error",
+    RequestStatus.FINISHED_ERROR: "error",
 }
+_request_ids = itertools.count()
+
+
+def new_request_id() -> str:
+    """A fresh engine-internal id: callers' ids never reach the scheduler or the cache."""
+    return str(next(_request_ids))
 
 
 class Request:
@@ -82,6 +125,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.num_preemptions = 0
@@ -106,11 +150,12 @@ class Request:
         )
 
     def fork_sample(self, index: int) -> Request:
-        """Sample `index` of this request: same prompt and K/V so far, seed `seed + index`."""
+        """Sample `index` of this request (an id of its own, the same group): same prompt and
+        K/V so far, seed `seed + index`."""
         params = self.sampling_params
         seed = None if params.seed is None else params.seed + index
         child = Request(
-            sample_request_id(self.request_id, index),
+            new_request_id(),
             self.prompt_token_ids,
             dataclasses.replace(params, n=1, seed=seed),
             self.eos_token_ids,
@@ -145,8 +190,3 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )
-
-
-def sample_request_id(request_id: str, index: int) -> str:
-    """The scheduler's id of sample `index` of a request (sample 0 is the request itself)."""
-    return request_id if index == 0 else f"{request_id}#{index}"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from asyncengine.config import SchedulerConfig
 from asyncengine.core.block_manager import AllocStatus, BlockSpaceManager
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import FinishReason, Request, RequestStatus
 
 
 @dataclass
@@ -83,26 +83,33 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.insert_sorted(req)
 
-    def finish_request(self, req: Request, status: RequestStatus) -> None:
-        """End `req` with a finished `status` wherever it is and free its blocks."""
-        assert status.is_finished
+    def finish_request(self, req: Request, reason: FinishReason) -> None:
+        """End `req` for `reason` wherever it is and free its blocks (the reason is final)."""
         if req.is_finished:
             return
         for queue in (self.running, self.waiting, self.swapped):
             if req in queue:
                 queue.remove(req)
                 break
-        req.status = status
+        req.status = reason.status
+        req.finish_reason = reason
         req.finished_time = time.monotonic()
         self.block_manager.free(req)
         self.requests.pop(req.request_id, None)
+
+    def finish_group(self, group_id: str, reason: FinishReason) -> list[Request]:
+        """End every unfinished sample of request group `group_id`; returns them."""
+        group = [req for req in self.requests.values() if req.group_id == group_id]
+        for req in group:
+            self.finish_request(req, reason)
+        return group
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort in any state; unknown or finished ids are a no-op (returns None)."""
         req = self.requests.get(request_id)
         if req is None:
             return None
-        self.finish_request(req, RequestStatus.FINISHED_ABORTED)
+        self.finish_request(req, FinishReason.ABORTED)
         return req
 
     def has_unfinished_requests(self) -> bool:
@@ -177,7 +184,7 @@ class Scheduler:
             if status is AllocStatus.NEVER:
                 self.waiting.pop(0)
                 req.error = self._why_never(req)
-                self.finish_request(req, RequestStatus.FINISHED_IGNORED)
+                self.finish_request(req, FinishReason.REJECTED)
                 out.rejected.append(req)
                 continue
             if status is AllocStatus.LATER or not self._has_room(budget, [req]):
@@ -294,24 +301,26 @@ class Scheduler:
             req.append_token(token_id)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, token_id)
-            if status is not None:
-                self.finish_request(req, status)
+            reason = self._check_stop(req, token_id)
+            if reason is not None:
+                self.finish_request(req, reason)
             updated.append(req)
         return updated
 
-    def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
+    def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
             if token_id in req.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
+                return FinishReason.EOS
             if token_id in params.stop_token_ids:
                 req.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
+                return FinishReason.STOP_TOKEN
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.CONTEXT_LIMIT
         if req.num_tokens >= self.max_seq_len:
-            return RequestStatus.FINISHED_LENGTH
+            return FinishReason.CACHE_LIMIT
         return None
 
 

@@ -1,20 +1,27 @@
-"""AsyncLLMEngine: one asyncio step loop serving many concurrent `async for` streams."""
+"""AsyncLLMEngine: the one engine interface; one asyncio step loop serving many streams."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from asyncengine.config import EngineArgs
+from asyncengine.config import EngineArgs, EngineConfig
+from asyncengine.core.request import FinishReason
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
-from asyncengine.errors import DuplicateRequestError, EngineDeadError, InvalidRequestError
+from asyncengine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = get_logger(__name__)
 A = TypeVar("A")
@@ -42,38 +49,65 @@ class EngineObserver(Protocol):
         """Once per request: its final output, or None when the engine died under it."""
 
 
-class RequestOutputCollector:
-    """The one pending output of a request, for its caller to take.
+class RequestStream:
+    """One request's outputs as the step loop makes them, for its caller to take.
 
-    Outputs are cumulative, so a newer one carries every token of an older one: when the caller
-    is slow, a new output replaces the pending one instead of queueing behind it. The step loop
-    never waits for a caller, and memory per stream stays bounded.
+    The step loop never waits for a caller: a CUMULATIVE output replaces the one not yet
+    taken (it carries every token of it) and a DELTA output is merged into it, so a slow
+    caller costs one pending output, bounded by its own request's size.
     """
 
-    def __init__(self) -> None:
-        self._pending: RequestOutput | BaseException | None = None
+    def __init__(self, request_id: str, is_delta: bool = False) -> None:
+        self.request_id = request_id
+        self.is_delta = is_delta
+        self.prompt: str | None = None  # the text, when the caller sent text
+        self.prompt_token_ids: list[int] = []  # set once the prompt is tokenized
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
         self._ready = asyncio.Event()
+        self.is_finished = False  # the final output, or an error, was put
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if not isinstance(self._pending, BaseException):  # an error is never overwritten
-            self._pending = item
+    def put(self, out: RequestOutput) -> None:
+        if self._error is not None:
+            return
+        if self.is_delta and self._pending is not None:
+            self._pending.extend(out)
+        else:
+            self._pending = out
+        self.is_finished = out.finished
         self._ready.set()
 
-    async def get(self) -> RequestOutput:
-        await self._ready.wait()
-        item, self._pending = self._pending, None
+    def fail(self, error: BaseException) -> None:
+        self._error, self._pending = error, None
+        self.is_finished = True
+        self._ready.set()
+
+    async def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next output, or None when none came within `timeout` seconds.
+
+        Raises the request's error (invalid, failed, or the engine died) in its place.
+        """
+        if not self._ready.is_set():
+            try:
+                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                    await self._ready.wait()
+            except TimeoutError:
+                return None
+        if self._error is not None:
+            raise self._error
+        out, self._pending = self._pending, None
         self._ready.clear()
-        if isinstance(item, BaseException):
-            raise item
-        assert item is not None
-        return item
+        assert out is not None
+        return out
 
 
 class AsyncLLMEngine:
-    """Streams each request's outputs to its caller while one loop batches all of them.
+    """The one engine interface every front end uses (gRPC, HTTP, `async for` in-process).
 
-    All scheduler state lives on the event loop's thread; only the forward (and the block
-    moves before it) runs in a single worker thread, so the loop keeps streaming meanwhile.
+    One loop batches every request and streams each its outputs. Scheduler state lives on
+    the event loop's thread; the forward (and the block moves before it) runs in one worker
+    thread and tokenizing in another, so the loop keeps streaming meanwhile. Front ends call
+    the public methods here and never reach into `LLMEngine`, the scheduler or the cache.
     """
 
     def __init__(
@@ -82,11 +116,15 @@ class AsyncLLMEngine:
         step_timeout_s: float = 300.0,
         observer: EngineObserver | None = None,
     ) -> None:
-        self.engine = engine
+        self.engine = engine  # for tests and benchmarks; front ends use the methods below
         self.step_timeout_s = step_timeout_s
         self.observer = observer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-step")
-        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._tokenizer_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="asyncengine-tokenize"
+        )
+        # by the caller's id, from the moment a request is accepted until its final output
+        self._streams: dict[str, RequestStream] = {}
         self._has_work: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
@@ -94,6 +132,37 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(args))
+
+    # -- what the engine is ------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.model_config.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.config.scheduler_config.max_num_seqs
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV cache holds at once, all requests together."""
+        return self.engine.validator.cache_capacity
+
+    def get_tokenizer(self) -> Any:
+        """The Hugging Face tokenizer; `tokenize`/`detokenize` run it off the event loop."""
+        return self.engine.tokenizer
 
     # -- state -------------------------------------------------------------------------------
 
@@ -113,11 +182,80 @@ class AsyncLLMEngine:
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
+    @property
+    def num_requests(self) -> int:
+        """Requests taken and not finished: being tokenized, waiting, running or swapped.
+
+        What admission counts: a finished request whose caller has not read it is not work.
+        """
+        return len(self._streams)
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def request_phase(self, request_id: str) -> str | None:
         """ "queued", "prefill", "decode" or "preempted"; None when not in flight."""
+        if request_id in self._streams and not self.engine.is_in_flight(request_id):
+            return "queued"  # still being tokenized
         return self.engine.request_phase(request_id)
 
     # -- requests ----------------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        strict_max_tokens: bool = False,
+    ) -> RequestStream:
+        """Validate, tokenize (off the loop) and queue a request; returns its output stream.
+
+        Bad input raises `InvalidRequestError` naming the field before anything is queued; an
+        id in flight raises `DuplicateRequestError`. `tenant` keeps the caller's prefix cache
+        apart from other tenants'; `strict_max_tokens` refuses a max_tokens past the context
+        instead of capping it (`RequestValidator.check_tokens`). A caller that stops reading
+        before the final output must `abort` the request.
+        """
+        self.check_health()
+        self._start()
+        if request_id in self._streams:
+            raise DuplicateRequestError(request_id)
+        validator = self.engine.validator
+        validator.check_inputs(request_id, prompt, sampling_params, cache_salt)
+        stream = RequestStream(
+            request_id, is_delta=sampling_params.output_kind is RequestOutputKind.DELTA
+        )
+        self._streams[request_id] = stream
+        try:
+            if isinstance(prompt, str):
+                token_ids = await self._off_loop(self.engine.tokenize, prompt)
+            else:
+                token_ids = list(prompt)
+            if self._streams.get(request_id) is not stream:  # aborted while tokenizing
+                raise asyncio.CancelledError(f"request {request_id!r} was aborted")
+            validated = validator.check_tokens(
+                request_id,
+                prompt,
+                token_ids,
+                sampling_params,
+                priority,
+                cache_salt,
+                tenant,
+                strict_max_tokens,
+            )
+            self.check_health()
+            self.engine.add_validated_request(validated)
+            stream.prompt, stream.prompt_token_ids = validated.prompt, validated.prompt_token_ids
+        except BaseException:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            raise
+        assert self._has_work is not None
+        self._has_work.set()
+        return stream
 
     async def generate(
         self,
@@ -127,45 +265,66 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output after each step; the last has `finished=True`.
+        """Yield the request's outputs, the last with `finished=True`: cumulative, or only
+        what is new with `sampling_params.output_kind=DELTA`, or the final one alone.
 
-        Bad input raises `InvalidRequestError` here, before anything is queued. Leaving the
-        loop early (break, cancellation, `aclose()`) aborts the request and frees its blocks.
+        Bad input raises `InvalidRequestError` before anything is queued. Leaving the loop
+        early (break, cancellation, `aclose()`) aborts the request and frees its blocks.
         """
-        self.check_health()
-        self._start()
-        if request_id in self._collectors:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        collector = RequestOutputCollector()
-        self.engine.add_request(
-            request_id, prompt, sampling_params, priority, cache_salt=cache_salt
-        )
-        self._collectors[request_id] = collector
-        assert self._has_work is not None
-        self._has_work.set()
-        finished = False
+        stream = await self.add_request(request_id, prompt, sampling_params, priority, cache_salt)
         try:
-            while not finished:
-                out = await collector.get()
-                finished = out.finished
-                if out.error is not None:
-                    raise InvalidRequestError(out.error)
+            while True:
+                out = await stream.get()
+                assert out is not None
                 yield out
+                if out.finished:
+                    return
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not stream.is_finished:
+                self._abort_now([request_id])
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request wherever it is; unknown or finished ids are a no-op.
+    async def abort(self, request_id: str | Iterable[str]) -> list[str]:
+        """Abort requests wherever they are; unknown or finished ids are ignored.
 
-        Its blocks are free when this returns (a step already running finishes without it).
+        Returns the ids that were in flight. Their blocks are free on return (a step already
+        running finishes without them) and each stream gets its final output.
         """
-        final = self.engine.abort_request(request_id)
-        collector = self._collectors.pop(request_id, None)
-        if collector is not None and final:
-            collector.put(final[0])
-        if final and self.observer is not None:
-            self.observer.on_request_done(request_id, final[0])
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        return self._abort_now(ids)
+
+    def _abort_now(self, request_ids: list[str]) -> list[str]:
+        aborted = []
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                continue
+            aborted.append(request_id)
+            for final in self.engine.abort_request(request_id):
+                self._put(stream, final)
+                if self.observer is not None:
+                    self.observer.on_request_done(request_id, final)
+        return aborted
+
+    async def tokenize(self, text: str, **kwargs: Any) -> Any:
+        """The tokenizer's encoding of `text` (transformers' `__call__`), off the event loop."""
+        tokenizer = self.engine.tokenizer
+        return await self._off_loop(lambda: tokenizer(text, **kwargs))
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of `token_ids`, off the event loop."""
+        tokenizer = self.engine.tokenizer
+        text = await self._off_loop(
+            lambda: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        )
+        return str(text)
+
+    async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's token strings of `token_ids`, off the event loop."""
+        tokenizer = self.engine.tokenizer
+        return list(await self._off_loop(tokenizer.convert_ids_to_tokens, token_ids))
+
+    async def _off_loop(self, fn: Callable[..., R], *args: Any) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -173,8 +332,11 @@ class AsyncLLMEngine:
         if self.is_running:
             return
         self._has_work = asyncio.Event()
-        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="step-loop")
-        self._loop_task.add_done_callback(self._on_loop_done)
+        # an empty context: the loop must not carry its first caller's log context for good
+        loop, context = asyncio.get_running_loop(), contextvars.Context()
+        task = loop.create_task(self._run(), name="step-loop", context=context)
+        task.add_done_callback(self._on_loop_done, context=context)
+        self._loop_task = task
 
     async def _run(self) -> None:
         assert self._has_work is not None
@@ -223,41 +385,61 @@ class AsyncLLMEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            collector = self._collectors.get(out.request_id)
-            if collector is None:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
                 continue
-            collector.put(out)
+            self._put(stream, out)
             if out.finished:
-                del self._collectors[out.request_id]
+                del self._streams[out.request_id]
                 if self.observer is not None:
                     self.observer.on_request_done(out.request_id, out)
 
-    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() and self._dead is not None:
+    def _put(self, stream: RequestStream, out: RequestOutput) -> None:
+        """Hand an output to its stream; a request that failed gets its error instead."""
+        if out.finished and out.error is not None:
+            finish = out.outputs[0].finish if out.outputs else None
+            if finish is FinishReason.REJECTED:
+                stream.fail(InvalidRequestError("prompt", out.error))
+            else:
+                stream.fail(RequestFailedError(out.error))
             return
-        cause = task.exception() if not task.cancelled() else None
+        stream.put(out)
+
+    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            if self._dead is None:
+                # the event loop ended under the engine (asyncio.run returned): no failure.
+                # What was in flight is aborted; a later event loop may use the engine again.
+                self._abort_now(list(self._streams))
+                self._loop_task = None
+                logger.debug("step_loop_stopped", reason="its event loop ended")
+            return
+        cause = task.exception()
         if isinstance(cause, asyncio.TimeoutError):
             cause = TimeoutError(f"a step took longer than {self.step_timeout_s} s")
-        dead = EngineDeadError(f"the engine's step loop stopped: {cause!r}")
+        # the same words for every stream: the cause may hold one request's values
+        dead = EngineDeadError("the engine stopped on an internal error (see the server log)")
         dead.__cause__ = cause
         self._dead = dead
-        logger.error("engine_dead", cause=repr(cause), open_streams=len(self._collectors))
-        for request_id, collector in self._collectors.items():
-            collector.put(dead)
+        logger.error(
+            "engine_dead", cause=repr(cause), open_streams=len(self._streams), exc_info=cause
+        )
+        for request_id, stream in self._streams.items():
+            stream.fail(dead)
             if self.observer is not None:
                 self.observer.on_request_done(request_id, None)
-        self._collectors.clear()
+        self._streams.clear()
 
     async def shutdown(self) -> None:
-        """Abort every request, end every stream, and stop the loop and the worker thread."""
-        for request_id in list(self._collectors):
-            self.abort(request_id)
+        """Abort every request, end every stream, and stop the loop and the worker threads."""
+        self._abort_now(list(self._streams))
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _timed(fn: Callable[[A], R], arg: A) -> tuple[R, float]:

@@ -11,7 +11,7 @@ from typing import Any, cast
 from asyncengine.config import EngineArgs
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.errors import InvalidRequestError
-from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -144,7 +144,7 @@ def _failed(request_id: str, prompt: Prompt, error: str) -> RequestOutput:
         request_id=request_id,
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
-        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
+        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish=FinishReason.REJECTED)],
         finished=True,
         error=error,
     )

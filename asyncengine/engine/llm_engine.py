@@ -10,11 +10,12 @@ from typing import Any, Protocol
 
 from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.block_manager import BlockSpaceManager
-from asyncengine.core.request import Request, RequestStatus, sample_request_id
+from asyncengine.core.request import FinishReason, Request, RequestStatus, new_request_id
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.engine.detokenizer import make_decode
 from asyncengine.engine.output_processor import RequestState
-from asyncengine.errors import DuplicateRequestError, InvalidRequestError
+from asyncengine.engine.validator import RequestValidator, ValidatedRequest
+from asyncengine.errors import DuplicateRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
@@ -81,7 +82,10 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.validator = RequestValidator(config, self.vocab_size, num_gpu_blocks)
+        # one state per caller's request, found by the caller's id or by its engine group id
         self._states: dict[str, RequestState] = {}
+        self._groups: dict[str, RequestState] = {}
         self._last_preemption_warning = -math.inf
         self._num_preempted_unreported = 0
         logger.info(
@@ -110,73 +114,70 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
-    ) -> Request:
-        """Validate and queue a request; bad input raises `InvalidRequestError` naming the field."""
+    ) -> None:
+        """Validate, tokenize and queue a request; bad input raises `InvalidRequestError`
+        naming the field. `request_id` is the caller's: a key for abort and outputs only."""
         if request_id in self._states:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        prompt_token_ids = self.tokenize(prompt)
-        max_len = self.config.model_config.max_model_len
-        if len(prompt_token_ids) > max_len:
-            raise InvalidRequestError(
-                f"prompt is {len(prompt_token_ids)} tokens, longer than max_model_len ({max_len})"
-            )
-        max_num_seqs = self.config.scheduler_config.max_num_seqs
-        if sampling_params.n > max_num_seqs:
-            raise InvalidRequestError(
-                f"n ({sampling_params.n}) exceeds max_num_seqs ({max_num_seqs}): the samples "
-                "run at once, one sequence each"
-            )
+            raise DuplicateRequestError(request_id)
+        self.validator.check_inputs(request_id, prompt, sampling_params, cache_salt)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        validated = self.validator.check_tokens(
+            request_id, prompt, token_ids, sampling_params, priority, cache_salt
+        )
+        self.add_validated_request(validated, arrival_time)
+
+    def add_validated_request(
+        self, validated: ValidatedRequest, arrival_time: float | None = None
+    ) -> None:
+        """Queue a request the validator passed (the async engine tokenizes off its loop)."""
+        if validated.request_id in self._states:
+            raise DuplicateRequestError(validated.request_id)
         req = Request(
-            request_id,
-            prompt_token_ids,
-            sampling_params,
+            new_request_id(),
+            validated.prompt_token_ids,
+            validated.sampling_params,
             self.eos_token_ids,
-            priority,
+            validated.priority,
             arrival_time,
-            cache_salt,
+            validated.cache_salt,
         )
         self.scheduler.add_request(req)
-        self._states[request_id] = RequestState(
-            req, prompt if isinstance(prompt, str) else None, self._decode
-        )
-        return req
+        state = RequestState(validated.request_id, req, validated.prompt, self._decode)
+        self._states[validated.request_id] = state
+        self._groups[req.group_id] = state
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            # checked before encoding: a tokenizer that adds BOS never returns nothing
-            token_ids = list(self.tokenizer.encode(prompt)) if prompt else []
-        else:
-            token_ids = list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
-                )
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty")
-        return token_ids
+    def tokenize(self, text: str) -> list[int]:
+        """The prompt's token ids (with the tokenizer's special tokens, as prompts get them)."""
+        # checked before encoding: a tokenizer that adds BOS never returns nothing
+        return list(self.tokenizer.encode(text)) if text else []
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (every sample) in any state; idempotent; returns their final outputs."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         outputs = []
         for request_id in ids:
-            state = self._states.pop(request_id, None)
+            state = self._states.get(request_id)
             if state is None:
                 continue
-            for index in range(state.parent.sampling_params.n):
-                self.scheduler.abort_request(sample_request_id(request_id, index))
-            outputs.append(state.make_output())
+            self.scheduler.finish_group(state.group_id, FinishReason.ABORTED)
+            state.is_ended = True  # samples forked but without a token yet end with it
+            outputs.append(self._final_output(state))
         return outputs
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._states
 
+    @property
+    def num_requests(self) -> int:
+        """Callers' requests in the engine: waiting, running or swapped (samples count once)."""
+        return len(self._states)
+
     def request_phase(self, request_id: str) -> str | None:
         """ "queued", "prefill", "decode" or "preempted"; None when not in flight."""
-        req = self.scheduler.requests.get(request_id)
-        if req is None:
+        state = self._states.get(request_id)
+        if state is None:
             return None
+        req = state.parent
         if req.status is RequestStatus.SWAPPED or (
             req.status is RequestStatus.WAITING and req.num_preemptions
         ):
@@ -226,20 +227,51 @@ class LLMEngine:
         return self.model_runner.execute_model(plan)
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
-        """Apply sampled tokens, detokenize, check stops; return outputs of changed requests."""
+        """Apply sampled tokens, detokenize, check stops; return outputs of changed requests.
+
+        A failure that belongs to one request (its sampling, its stops, its text) ends that
+        request with FinishReason.ERROR; the others go on.
+        """
+        # a request aborted while the step ran has no state left, and gets no output
         changed: dict[str, RequestState] = {}
         for req in plan.rejected:
-            changed[req.group_id] = self._states[req.group_id]
+            if (state := self._groups.get(req.group_id)) is not None:
+                changed[req.group_id] = state
+        for req in plan.scheduled:
+            failure = result.failures.get(req.request_id)
+            if failure is not None and (state := self._groups.get(req.group_id)) is not None:
+                self._fail(state, "sampling", failure)
+                changed[req.group_id] = state
         for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
-            state = self._states[req.group_id]
-            state.on_token(req, result.logprobs.get(req.request_id), self.scheduler.finish_request)
+            state = self._groups[req.group_id]
             changed[req.group_id] = state
+            try:
+                logprobs = result.logprobs.get(req.request_id)
+                state.on_token(req, logprobs, self.scheduler.finish_request)
+            except Exception as exc:
+                self._fail(state, "detokenizing or stop checks", repr(exc))
         outputs = []
-        for request_id, state in changed.items():
-            outputs.append(state.make_output())
+        for state in changed.values():
             if state.is_finished:
-                del self._states[request_id]
+                outputs.append(self._final_output(state))
+            elif (out := state.make_output()) is not None:
+                outputs.append(out)
         return outputs
+
+    def _fail(self, state: RequestState, stage: str, cause: str) -> None:
+        """End one request with an error: the cause is logged, never sent to its caller."""
+        logger.error("request_failed", request_id=state.request_id, stage=stage, cause=cause)
+        state.parent.error = f"the request failed in {stage} (an engine bug; see the server log)"
+        self.scheduler.finish_group(state.group_id, FinishReason.ERROR)
+        state.is_ended = True
+
+    def _final_output(self, state: RequestState) -> RequestOutput:
+        """The request's last output; the engine forgets it."""
+        del self._states[state.request_id]
+        del self._groups[state.group_id]
+        out = state.make_output()
+        assert out is not None and out.finished
+        return out
 
     # -- introspection -----------------------------------------------------------------------
 

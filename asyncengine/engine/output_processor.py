@@ -1,16 +1,17 @@
 """Per-request output state: each sample's text (detokenized incrementally), stop strings, and
-the cumulative `RequestOutput` a caller sees."""
+the `RequestOutput` a caller sees (cumulative, or only what is new)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import FinishReason, Request
 from asyncengine.engine.detokenizer import Decode, IncrementalDetokenizer
 from asyncengine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from asyncengine.sampling_params import RequestOutputKind
 
-FinishRequest = Callable[[Request, RequestStatus], None]
+FinishRequest = Callable[[Request, FinishReason], None]
 
 
 @dataclass
@@ -19,22 +20,31 @@ class _Sample:
     detokenizer: IncrementalDetokenizer
     text: str = ""
     logprobs: list[Logprobs] = field(default_factory=list)
+    # what DELTA outputs have carried so far
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
 
 class RequestState:
-    """What the engine keeps of one user request besides the scheduler's: its samples' text.
+    """What the engine keeps of one caller's request besides the scheduler's: its samples' text.
 
+    `request_id` is the caller's id; the scheduler knows the request by the engine's own ids.
     A request with `n > 1` is one scheduler request per sample (sample 0 is the request
     itself, the others are forked from it once its prompt is computed); they all report here.
     """
 
-    def __init__(self, req: Request, prompt: str | None, decode: Decode) -> None:
-        self.request_id = req.request_id
+    def __init__(self, request_id: str, req: Request, prompt: str | None, decode: Decode) -> None:
+        self.request_id = request_id
         self.prompt = prompt
         self.decode = decode
         self.parent = req
         self.samples: dict[int, _Sample] = {}
+        self.is_ended = False  # aborted or failed: over, whichever samples exist by then
         self.add_sample(req)
+
+    @property
+    def group_id(self) -> str:
+        return self.parent.group_id
 
     def add_sample(self, req: Request) -> None:
         skip = req.sampling_params.skip_special_tokens
@@ -43,6 +53,8 @@ class RequestState:
 
     @property
     def is_finished(self) -> bool:
+        if self.is_ended:
+            return True
         # before the fork only sample 0 exists; a parent that ended then has no samples to wait on
         expected = 1 if self.parent.num_pending_samples else self.parent.sampling_params.n
         return len(self.samples) == expected and all(
@@ -70,18 +82,25 @@ class RequestState:
         sample.text = sample.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
         req.stop_reason = stop
         if req.is_finished:  # a stop string wins over a finish by length in the same step
-            req.status = RequestStatus.FINISHED_STOPPED
+            req.finish_reason = FinishReason.STOP_STRING
+            req.status = req.finish_reason.status
         else:
-            finish(req, RequestStatus.FINISHED_STOPPED)
+            finish(req, FinishReason.STOP_STRING)
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self) -> RequestOutput | None:
+        """The output the caller gets after this step; None when it wants nothing yet."""
+        kind = self.parent.sampling_params.output_kind
+        is_finished = self.is_finished
+        if kind is RequestOutputKind.FINAL_ONLY and not is_finished:
+            return None
+        is_delta = kind is RequestOutputKind.DELTA
         parent = self.parent
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            outputs=[_completion(self.samples[i]) for i in sorted(self.samples)],
-            finished=self.is_finished,
+            outputs=[_completion(self.samples[i], is_delta) for i in sorted(self.samples)],
+            finished=is_finished,
             error=parent.error,
             metrics=RequestMetrics(
                 arrival_time=parent.arrival_time,
@@ -90,25 +109,35 @@ class RequestState:
                 finished_time=max(
                     (s.req.finished_time or 0.0 for s in self.samples.values()), default=None
                 )
-                if self.is_finished
+                if is_finished
                 else None,
                 num_preemptions=sum(s.req.num_preemptions for s in self.samples.values()),
                 num_cached_tokens=parent.num_cached_tokens,
+                num_output_tokens=max(s.req.num_output_tokens for s in self.samples.values()),
             ),
         )
 
 
-def _completion(sample: _Sample) -> CompletionOutput:
+def _completion(sample: _Sample, is_delta: bool) -> CompletionOutput:
     req, params, text = sample.req, sample.req.sampling_params, sample.text
     if params.stop and not req.is_finished:
         # hold back what may be the start of a stop string still being completed
         hold = max(len(s) for s in params.stop) - 1
         text = text[: max(0, len(text) - hold)]
+    token_ids = req.output_token_ids
+    logprobs = list(sample.logprobs) if params.logprobs is not None else None
+    if is_delta:
+        # what is visible only grows: a stop string is found before its start is shown
+        start_char, start_token = sample.num_sent_chars, sample.num_sent_tokens
+        sample.num_sent_chars = max(start_char, len(text))
+        sample.num_sent_tokens = len(token_ids)
+        text, token_ids = text[start_char:], token_ids[start_token:]
+        logprobs = None if logprobs is None else logprobs[start_token:]
     return CompletionOutput(
         index=req.sample_index,
         text=text,
-        token_ids=req.output_token_ids,
-        logprobs=list(sample.logprobs) if params.logprobs is not None else None,
-        finish_reason=req.status.finish_reason,
+        token_ids=token_ids,
+        logprobs=logprobs,
+        finish=req.finish_reason,
         stop_reason=req.stop_reason,
     )

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,9 +18,9 @@ from grpc_reflection.v1alpha import reflection
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
-from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
+from asyncengine.server.cli import EngineFactory
 from asyncengine.server.convert import FinishReason
 from asyncengine.server.decode import MalformedRequestInterceptor
 from asyncengine.server.metrics import ServerMetrics
@@ -31,9 +32,6 @@ from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
 
 logger = get_logger(__name__)
 
-# Test-only: makes the Nth engine step (and every later one) raise, to exercise the path where
-# the engine dies under load. Never set it in production.
-FAULT_ENV = "ASYNCENGINE_FAULT_AFTER_STEPS"
 # how often the engine's liveness is checked, and how long streams get to receive their error
 _WATCH_INTERVAL_S = 0.1
 _STOP_GRACE_S = 2.0
@@ -136,6 +134,7 @@ async def start(
 async def stop(server: grpc.aio.Server, state: ServerState) -> int:
     """Drain (unless the engine is dead), stop the server and the engine; the exit code."""
     engine = state.engine
+    state.is_stopping = True  # this drain is final: Resume no longer undoes it
     if not engine.errored:
         await state.drain(state.options.drain_grace_period)
     else:
@@ -170,7 +169,8 @@ async def serve(engine: AsyncLLMEngine, options: ServeOptions) -> int:
 def _on_signal(state: ServerState, stop: asyncio.Event, signum: int) -> None:
     if stop.is_set():  # a second signal: stop waiting for the grace period
         logger.warning("second_signal_aborting_all", signal=signal.Signals(signum).name)
-        state.abort(list(state.flights), FinishReason.ABORTED_BY_SERVER)
+        abort = state.abort(list(state.flights), FinishReason.ABORTED_BY_SERVER)
+        state.background(abort)
         return
     logger.info("shutdown_requested", signal=signal.Signals(signum).name)
     stop.set()
@@ -179,35 +179,6 @@ def _on_signal(state: ServerState, stop: asyncio.Event, signum: int) -> None:
 async def _engine_death(engine: AsyncLLMEngine) -> None:
     while not engine.errored:
         await asyncio.sleep(_WATCH_INTERVAL_S)
-
-
-def install_fault_hook(engine: AsyncLLMEngine) -> None:
-    """Test-only: with ASYNCENGINE_FAULT_AFTER_STEPS=N the Nth step raises (the engine dies)."""
-    value = os.environ.get(FAULT_ENV)
-    if not value:
-        return
-    fault_at, num_steps = int(value), 0
-    execute = engine.engine.execute
-
-    def failing_execute(plan: Any) -> Any:
-        nonlocal num_steps
-        num_steps += 1
-        if num_steps >= fault_at:
-            raise RuntimeError(f"injected fault: {FAULT_ENV}={fault_at}")
-        return execute(plan)
-
-    engine.engine.execute = failing_execute  # type: ignore[method-assign]
-    logger.warning("fault_hook_installed", fault_after_steps=fault_at)
-
-
-def fake_engine(engine_args: EngineArgs) -> LLMEngine:
-    """An engine whose runner scripts tokens instantly (benchmarks and balancing tests)."""
-    from asyncengine.worker.fake_runner import FakeModelRunner, count_up
-
-    config = engine_args.create_engine_config()
-    vocab_size = int(config.model_config.hf_config.vocab_size)
-    logger.warning("fake_runner", note="tokens are scripted; the model does not run")
-    return LLMEngine(config, FakeModelRunner(config, count_up(vocab_size)))
 
 
 def json_stdlib_logs() -> None:
@@ -228,24 +199,37 @@ def json_stdlib_logs() -> None:
         handler.setFormatter(formatter)
 
 
-def run(engine_args: EngineArgs, options: ServeOptions, fake_runner: bool = False) -> int:
+def check_port_free(options: ServeOptions) -> None:
+    """Fail in a line, before the model loads, when the gRPC port is taken."""
+    if options.port == 0:
+        return
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((options.host, options.port))
+        except OSError as exc:
+            raise OSError(
+                f"cannot listen on {options.host}:{options.port}: {exc.strerror or exc}"
+            ) from None
+
+
+def run(
+    engine_args: EngineArgs, options: ServeOptions, make_engine: EngineFactory | None = None
+) -> int:
     """Load the engine, serve on uvloop, and return the process exit code.
 
-    `fake_runner` (benchmarks only) serves scripted tokens without running the model, to
-    measure what the server itself costs.
+    `make_engine` replaces how the engine is built (asyncengine.testing injects its fake
+    runner and fault hook this way).
     """
     check_options(options)
+    check_port_free(options)
     if not sys.stderr.isatty():  # the same test configure_logging uses for JSON
         json_stdlib_logs()
     if options.torch_threads:
         import torch
 
         torch.set_num_threads(options.torch_threads)
-    if fake_runner:
-        engine = AsyncLLMEngine(fake_engine(engine_args))
-    else:
-        engine = AsyncLLMEngine.from_engine_args(engine_args)
-    install_fault_hook(engine)
+    engine = (make_engine or AsyncLLMEngine.from_engine_args)(engine_args)
     try:
         import uvloop
     except ImportError:  # Windows

@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from asyncengine.config import EngineArgs
 from asyncengine.logging import configure_logging
 from asyncengine.server.options import add_serve_args
+
+if TYPE_CHECKING:
+    from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+
+EngineFactory = Callable[[EngineArgs], "AsyncLLMEngine"]
 
 # what each EngineArgs field does, for --help (defaults are printed from EngineArgs itself)
 ENGINE_ARG_HELP = {
@@ -32,6 +38,8 @@ ENGINE_ARG_HELP = {
     "attention_backend": "auto, torch or triton",
     "expected_concurrency": "the peak of concurrent requests you expect: a warning at start-up "
     "if max_num_seqs is far from 1.2-1.5x it (default: no check)",
+    "max_prompt_bytes": "a text prompt longer than this many UTF-8 bytes is refused before it "
+    "is tokenized (default: 32 per token of max_model_len)",
 }
 
 
@@ -74,11 +82,11 @@ def _generate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(ns: argparse.Namespace) -> int:
+def _serve(ns: argparse.Namespace, make_engine: EngineFactory | None) -> int:
     from asyncengine.server.app import run
     from asyncengine.server.options import serve_options_from
 
-    return run(engine_args_from(ns), serve_options_from(ns), fake_runner=ns.fake_runner)
+    return run(engine_args_from(ns), serve_options_from(ns), make_engine)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,17 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_engine_args(serve)
     serve.add_argument("--log-level", default=argparse.SUPPRESS, help=log_level_help)
-    # benchmarks only: scripted tokens instead of the model (benchmarks/serving.py)
-    serve.add_argument("--fake-runner", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, make_engine: EngineFactory | None = None) -> int:
+    """The `asyncengine` command; `make_engine` builds the served engine instead of
+    `AsyncLLMEngine.from_engine_args` (`python -m asyncengine.testing serve` uses it)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     configure_logging(ns.log_level or ("INFO" if ns.command == "serve" else "WARNING"))
     try:
-        return _serve(ns) if ns.command == "serve" else _generate(ns)
+        return _serve(ns, make_engine) if ns.command == "serve" else _generate(ns)
     except (ValueError, OSError) as exc:
         parser.exit(2, f"asyncengine: error: {exc}\n")
 

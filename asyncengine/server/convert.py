@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
-import re
 import secrets
 from typing import Any
 
 from asyncengine.engine.llm_engine import EngineStats
-from asyncengine.outputs import Logprobs, RequestOutput
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.errors import InvalidRequestError
+from asyncengine.outputs import CompletionOutput, Logprobs, RequestOutput
+from asyncengine.outputs import FinishReason as EngineFinish
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.server.errors import InvalidFieldError
 from asyncengine.v1 import control_pb2, generation_pb2
 
 FinishReason = generation_pb2.FinishReason
 Phase = generation_pb2.Heartbeat.Phase
 
-# SamplingParams field -> the request field it comes from, for errors that name the field
+# the engine's field -> the request field it comes from, for errors that name the field
+# ("prompt" is the oneof member the request used: text or token_ids)
 _PROTO_FIELDS = {
+    "request_id": "request_id",
+    "cache_salt": "cache_salt",
     "n": "sampling.n",
     "temperature": "sampling.temperature",
     "top_p": "sampling.top_p",
@@ -35,7 +39,14 @@ _PROTO_FIELDS = {
     "logprobs": "response.logprobs",
     "skip_special_tokens": "response.skip_special_tokens",
 }
-_PARAM_ERROR = re.compile(r"^SamplingParams\.(\w+) (.*)$", re.DOTALL)
+_FINISH_REASONS = {
+    EngineFinish.EOS: FinishReason.EOS,
+    EngineFinish.STOP_STRING: FinishReason.STOP_STRING,
+    EngineFinish.STOP_TOKEN: FinishReason.STOP_TOKEN,
+    EngineFinish.LENGTH: FinishReason.LENGTH,
+    EngineFinish.CONTEXT_LIMIT: FinishReason.CONTEXT_LIMIT,
+    EngineFinish.CACHE_LIMIT: FinishReason.CACHE_LIMIT,
+}
 _PHASES: dict[str, generation_pb2.Heartbeat.Phase] = {
     "queued": Phase.QUEUED,
     "prefill": Phase.PREFILL,
@@ -50,74 +61,79 @@ def prompt_of(request: Any, prefix: str = "") -> tuple[str | list[int], str]:
     if kind == "text":
         return request.text, prefix + "text"
     if kind == "token_ids":
-        return list(request.token_ids.ids), prefix + "token_ids"
+        # as it is: the engine bounds its length before copying or scanning it
+        return request.token_ids.ids, prefix + "token_ids"
     raise InvalidFieldError(prefix + "text", "a prompt (text or token_ids) is required")
+
+
+def field_error(exc: InvalidRequestError, prompt_field: str) -> InvalidFieldError:
+    """The engine's error named by the request field it came from (`stopping.stop`, ...);
+    `prompt_field` is the prompt's (`text`, `token_ids`, `prompts[2].text`)."""
+    if isinstance(exc, InvalidFieldError):
+        return exc
+    name = prompt_field if exc.field == "prompt" else _PROTO_FIELDS.get(exc.field, exc.field)
+    error = InvalidFieldError(name, exc.description)
+    error.__cause__ = exc
+    return error
 
 
 def sampling_params(
     sampling: generation_pb2.SamplingOptions,
     stopping: generation_pb2.StoppingOptions,
     response: generation_pb2.ResponseOptions,
+    output_kind: RequestOutputKind,
 ) -> SamplingParams:
-    """Build and validate SamplingParams; picks a seed for random sampling when none is given.
+    """SamplingParams of a request; picks a seed for random sampling when none is given.
 
-    A bad value raises `InvalidFieldError` naming the request field (`sampling.top_p`, ...).
+    A bad value raises the engine's `InvalidRequestError`; `field_error` names the field.
     """
     temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
     seed = sampling.seed if sampling.HasField("seed") else None
     if seed is None and temperature > 0:
         seed = secrets.randbits(63)  # reported in Accepted so the client can replay it
-    kwargs: dict[str, Any] = {
-        "n": sampling.n or 1,
-        "temperature": temperature,
-        "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
-        "top_k": sampling.top_k,
-        "min_p": sampling.min_p,
-        "seed": seed,
-        "repetition_penalty": (
+    return SamplingParams(
+        n=sampling.n or 1,
+        temperature=temperature,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        seed=seed,
+        repetition_penalty=(
             sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0
         ),
-        "presence_penalty": sampling.presence_penalty,
-        "frequency_penalty": sampling.frequency_penalty,
-        "max_tokens": stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
-        "min_tokens": stopping.min_new_tokens,
-        "stop": list(stopping.stop),
-        "stop_token_ids": list(stopping.stop_token_ids),
-        "ignore_eos": stopping.ignore_eos,
-        "include_stop_str_in_output": stopping.include_stop_string,
-        "logprobs": response.logprobs if response.HasField("logprobs") else None,
-        "skip_special_tokens": (
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        max_tokens=stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
+        min_tokens=stopping.min_new_tokens,
+        # the repeated fields go as they are: SamplingParams bounds their length before copying
+        stop=stopping.stop,
+        stop_token_ids=stopping.stop_token_ids,
+        ignore_eos=stopping.ignore_eos,
+        include_stop_str_in_output=stopping.include_stop_string,
+        logprobs=response.logprobs if response.HasField("logprobs") else None,
+        skip_special_tokens=(
             response.skip_special_tokens if response.HasField("skip_special_tokens") else True
         ),
-    }
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:
-        match = _PARAM_ERROR.match(str(exc))
-        if match is None:
-            raise
-        name, rule = match.groups()
-        raise InvalidFieldError(_PROTO_FIELDS.get(name, name), rule) from exc
+        output_kind=output_kind,
+    )
 
 
 def finish_reason(
-    out: RequestOutput, abort_reason: int | None, max_model_len: int, sample: int = 0
+    completion: CompletionOutput, abort_reason: int | None
 ) -> tuple[int, str, int | None]:
     """(FinishReason, matched stop string, matched stop token id) of a finished sample."""
-    completion = out.outputs[sample]
-    reason, stop = completion.finish_reason, completion.stop_reason
-    if reason == "abort":
+    finish, stop = completion.finish, completion.stop_reason
+    assert finish is not None, "the sample has not finished"
+    if finish is EngineFinish.ABORTED:
         return abort_reason or FinishReason.ABORTED_BY_SERVER, "", None
-    if reason == "length":
-        num_tokens = len(out.prompt_token_ids) + len(completion.token_ids)
-        full = num_tokens >= max_model_len
-        return (FinishReason.CONTEXT_LIMIT if full else FinishReason.LENGTH), "", None
-    if isinstance(stop, str):
-        return FinishReason.STOP_STRING, stop, None
-    if isinstance(stop, int):
-        return FinishReason.STOP_TOKEN, "", stop
-    last = completion.token_ids[-1] if completion.token_ids else None
-    return FinishReason.EOS, "", last
+    reason = _FINISH_REASONS[finish]
+    if finish is EngineFinish.STOP_STRING:
+        return reason, str(stop), None
+    if finish is EngineFinish.STOP_TOKEN:
+        return reason, "", int(stop)  # type: ignore[arg-type]
+    if finish is EngineFinish.EOS:
+        return reason, "", completion.token_ids[-1] if completion.token_ids else None
+    return reason, "", None
 
 
 def usage(out: RequestOutput, sequence_number: int = 0) -> generation_pb2.Usage:
@@ -192,8 +208,9 @@ def phase(name: str | None) -> generation_pb2.Heartbeat.Phase:
     return _PHASES.get(name or "", Phase.PHASE_UNSPECIFIED)
 
 
-def load_report(stats: EngineStats) -> control_pb2.LoadReport:
+def load_report(stats: EngineStats, num_admitted: int) -> control_pb2.LoadReport:
     return control_pb2.LoadReport(
+        admitted=num_admitted,
         running=stats.num_running,
         waiting=stats.num_waiting,
         swapped=stats.num_swapped,

@@ -18,6 +18,7 @@ from asyncengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
+    RequestFailedError,
 )
 from asyncengine.logging import get_logger
 
@@ -27,12 +28,12 @@ ERROR_DOMAIN = "asyncengine"
 
 
 class InvalidFieldError(InvalidRequestError):
-    """A request field (named as in the .proto, e.g. `sampling.temperature`) has a bad value."""
+    """A request field, named as in the .proto (`sampling.temperature`), has a bad value."""
 
-    def __init__(self, field: str, description: str) -> None:
-        super().__init__(f"{field}: {description}")
-        self.field = field
-        self.description = description
+
+class ClientStalledError(RuntimeError):
+    """The client did not read its stream for the server's stall time: its call is ended and
+    its buffered output dropped, so an unread stream holds nothing."""
 
 
 class ServerDrainingError(RuntimeError):
@@ -62,8 +63,7 @@ def status_for(exc: BaseException, *, has_partial_output: bool = False) -> statu
     if isinstance(exc, DuplicateRequestError):
         return _status(code_pb2.ALREADY_EXISTS, exc, _error_info("DUPLICATE_REQUEST_ID"))
     if isinstance(exc, InvalidRequestError):
-        field = exc.field if isinstance(exc, InvalidFieldError) else "prompt"
-        description = exc.description if isinstance(exc, InvalidFieldError) else str(exc)
+        field, description = exc.field, exc.description
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=field, description=description
         )
@@ -89,16 +89,36 @@ def status_for(exc: BaseException, *, has_partial_output: bool = False) -> statu
         return _status(code_pb2.UNAUTHENTICATED, exc, _error_info("UNAUTHENTICATED"))
     if isinstance(exc, PermissionDeniedError):
         return _status(code_pb2.PERMISSION_DENIED, exc, _error_info("CONTROL_DISABLED"))
+    if isinstance(exc, ClientStalledError):
+        return _status(code_pb2.RESOURCE_EXHAUSTED, exc, _error_info("CLIENT_STALLED"))
+    if isinstance(exc, RequestFailedError):
+        # this request's own failure, already logged with its cause; a retry would fail again
+        return _status(code_pb2.INTERNAL, exc, _error_info("REQUEST_FAILED"))
     if isinstance(exc, EngineDeadError):
         # nothing generated yet: a retry elsewhere is safe; after partial output it is not
         code = code_pb2.INTERNAL if has_partial_output else code_pb2.UNAVAILABLE
         return _status(code, exc, _error_info("ENGINE_DEAD"))
     logger.error("internal_error", error=repr(exc), exc_info=exc)
-    return _status(code_pb2.INTERNAL, f"internal error: {exc!r}", _error_info("INTERNAL"))
+    # the cause stays in the log: it may hold values of other requests
+    message = "internal error (see the server log)"
+    return _status(code_pb2.INTERNAL, message, _error_info("INTERNAL"))
 
 
 def _status(code: int, message: object, *details: any_pb2.Any) -> status_pb2.Status:
     return status_pb2.Status(code=code, message=str(message), details=list(details))
+
+
+def set_final_status(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Set the status for `exc` for the handler to return with, without sending anything now.
+
+    For a client that stopped reading: `abort_rpc` would wait behind the unread messages,
+    while a handler that returns frees everything it holds at once. The client sees the
+    status after the messages still in flight, if it ever reads again.
+    """
+    status = rpc_status.to_status(status_for(exc))
+    context.set_code(status.code)
+    context.set_details(status.details)
+    context.set_trailing_metadata(status.trailing_metadata)
 
 
 async def abort_rpc(

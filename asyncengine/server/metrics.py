@@ -47,7 +47,7 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: AsyncLLMEngine) -> None:
         self._engine = engine
-        config = engine.engine.config
+        config = engine.config
         self._info = {
             "model": config.model_config.model,
             "architecture": config.model_config.architecture,
@@ -137,6 +137,12 @@ class ServerMetrics:
         )
         for reason in FINISH_REASONS:
             self.requests_finished.labels(reason)
+        self.stalled_streams = Counter(
+            P + "stalled_streams",
+            "Streams ended because the client read nothing for the stall time (their unread "
+            "output dropped)",
+            registry=r,
+        )
         for direction in ("out", "in"):
             self.swapped_blocks.labels(direction)
         self.ttft = Histogram(
@@ -193,6 +199,9 @@ class ServerMetrics:
         if stats.num_blocks_swapped_in:
             self.swapped_blocks.labels("in").inc(stats.num_blocks_swapped_in)
 
+    def on_stalled_stream(self) -> None:
+        self.stalled_streams.inc()
+
     def on_request_done(self, request_id: str, output: RequestOutput | None) -> None:
         reason = self._finish_label(request_id, output)
         self.requests_finished.labels(reason).inc()
@@ -207,7 +216,7 @@ class ServerMetrics:
         self.ttft.observe(m.first_token_time - m.arrival_time)
         if reason in ("stop", "length") and m.finished_time is not None:
             self.e2e.observe(m.finished_time - m.arrival_time)
-            num_tokens = max(len(c.token_ids) for c in output.outputs)
+            num_tokens = m.num_output_tokens  # the outputs may be the last delta only
             if num_tokens > 1:
                 self.itl.observe((m.finished_time - m.first_token_time) / (num_tokens - 1))
 

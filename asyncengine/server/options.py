@@ -26,6 +26,7 @@ class ServeOptions:
     max_concurrent_rpcs: int | None = None
     retry_after: float = 1.0
     heartbeat_interval: float = 5.0
+    stall_timeout: float = 60.0
     drain_grace_period: float = 30.0
     keepalive_time: float = 30.0
     keepalive_timeout: float = 10.0
@@ -68,6 +69,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
         float,
         "seconds without a token before a stream gets a Heartbeat (queued, long prefill, "
         "preempted), so proxies with idle timeouts keep silent streams open",
+    ),
+    "stall_timeout": (
+        float,
+        "seconds a stream may go unread (the client stopped reading) before the server ends "
+        "it with RESOURCE_EXHAUSTED (CLIENT_STALLED) and drops its buffered output",
     ),
     "drain_grace_period": (
         float,
@@ -170,7 +176,13 @@ def check_options(options: ServeOptions) -> None:
         raise ValueError("--tls-cert and --tls-key must be given together")
     if options.tls_client_ca and not options.tls_cert:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-    for name in ("heartbeat_interval", "drain_grace_period", "keepalive_time", "retry_after"):
+    for name in (
+        "heartbeat_interval",
+        "stall_timeout",
+        "drain_grace_period",
+        "keepalive_time",
+        "retry_after",
+    ):
         if getattr(options, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     for flag, path in [

@@ -13,11 +13,12 @@ import asyncengine
 from asyncengine.errors import EngineDeadError
 from asyncengine.server import convert
 from asyncengine.server.convert import FinishReason
-from asyncengine.server.errors import ServerDrainingError, abort_rpc
+from asyncengine.server.errors import InvalidFieldError, ServerDrainingError, abort_rpc
 from asyncengine.server.state import ServerState
 from asyncengine.v1 import control_pb2 as pb
 from asyncengine.v1 import control_pb2_grpc
 
+MAX_ABORT_IDS = 1024
 # WatchLoad intervals below this are raised to it: load figures change once per step anyway
 _MIN_WATCH_INTERVAL_S = 0.05
 
@@ -29,21 +30,24 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         self._state = state
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> Any:
-        aborted = self._state.abort(request.request_ids, FinishReason.CANCELLED)
+        if len(request.request_ids) > MAX_ABORT_IDS:
+            error = InvalidFieldError("request_ids", f"at most {MAX_ABORT_IDS} ids per call")
+            await abort_rpc(context, error)
+        aborted = await self._state.abort(request.request_ids, FinishReason.CANCELLED)
         return pb.AbortResponse(aborted_ids=aborted)
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        llm = self._state.engine.engine
-        config = llm.config
-        bos_token_id = llm.tokenizer.bos_token_id
+        engine = self._state.engine
+        config = engine.config
+        bos_token_id = engine.get_tokenizer().bos_token_id
         return pb.ModelInfo(
             model_name=self._state.options.served_model_name or config.model_config.model,
             architecture=config.model_config.architecture,
             max_context_length=config.model_config.max_model_len,
-            vocab_size=llm.vocab_size,
-            eos_token_ids=list(llm.eos_token_ids),
+            vocab_size=engine.vocab_size,
+            eos_token_ids=list(engine.eos_token_ids),
             bos_token_id=bos_token_id if isinstance(bos_token_id, int) else None,
             block_size=config.cache_config.block_size,
             dtype=config.model_config.dtype,
@@ -58,7 +62,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     ) -> Any:
         return pb.ServerInfo(
             version=asyncengine.__version__,
-            load=convert.load_report(self._state.engine.get_stats()),
+            load=convert.load_report(self._state.engine.get_stats(), self._state.num_admitted),
             uptime_s=time.monotonic() - self._state.started_at,
             draining=self._state.is_draining,
         )
@@ -68,7 +72,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
     ) -> AsyncIterator[pb.LoadReport]:
         interval_s = max(_MIN_WATCH_INTERVAL_S, (request.interval_ms or 1000) / 1000)
         while True:
-            yield convert.load_report(self._state.engine.get_stats())
+            yield convert.load_report(self._state.engine.get_stats(), self._state.num_admitted)
             await asyncio.sleep(interval_s)
 
     async def Drain(self, request: pb.DrainRequest, context: grpc.aio.ServicerContext) -> Any:

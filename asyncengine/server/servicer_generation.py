@@ -1,28 +1,39 @@
-"""The Generation service: a thin translation of GenerateStream, Generate and tokenizing."""
+"""The Generation service: GenerateStream, Generate, Tokenize and Detokenize translated to the
+engine interface (`AsyncLLMEngine`). The engine checks every field and owns every request's
+state; this file maps names, writes messages and keeps time."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
 import structlog
 
+from asyncengine.engine.async_llm_engine import RequestStream
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
-from asyncengine.outputs import RequestOutput
+from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.server import convert
-from asyncengine.server.errors import InvalidFieldError, abort_rpc
+from asyncengine.server.convert import FinishReason
+from asyncengine.server.errors import (
+    ClientStalledError,
+    InvalidFieldError,
+    abort_rpc,
+    set_final_status,
+)
 from asyncengine.server.state import Flight, ServerState
-from asyncengine.server.stream import DeltaTracker, EngineStream, follow
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
 
-MAX_CACHE_SALT_LEN = 256
+# a backlog (a reader that resumes) goes out in pieces, so other streams interleave with it
+MAX_TOKENS_PER_DELTA = 64
+MAX_TOKENIZE_TEXTS = 256
+MAX_DETOKENIZE_SEQUENCES = 256
+_LOGGED_ID_LEN = 64  # an over-long id is refused; its log lines carry only its start
 
 logger = get_logger(__name__)
 
@@ -34,51 +45,84 @@ class _Outcome:
         self.final: RequestOutput | None = None
         self.finish_reason = "UNFINISHED"
         self.num_deltas = 0
+        # each sample's tokens so far and its finish, from the DELTA outputs of a stream
+        self.samples: dict[int, CompletionOutput] = {}
+
+    @property
+    def num_completion_tokens(self) -> int:
+        if self.samples:
+            return sum(len(s.token_ids) for s in self.samples.values())
+        final = self.final  # a unary call's one (FINAL_ONLY) output
+        return sum(len(c.token_ids) for c in final.outputs) if final is not None else 0
 
 
 def _failure_label(exc: BaseException) -> str:
     """How a request that did not finish ended, for its log line."""
-    if isinstance(exc, asyncio.CancelledError):
-        return "CLIENT_CANCELLED"  # the client cancelled, or its deadline passed
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return "CLIENT_CANCELLED"  # the client cancelled or left, or its deadline passed
+    if isinstance(exc, ClientStalledError):
+        return "CLIENT_STALLED"
     return type(exc).__name__
 
 
+class _Writer:
+    """Writes one call's messages; a write the client does not take within the stall time
+    ends the call (its buffered output is dropped with it)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext, state: ServerState) -> None:
+        self._context = context
+        self._state = state
+        self.sequence_number = 0
+
+    async def write(self, msg: pb.GenerateResponse) -> None:
+        stall_s = self._state.options.stall_timeout
+        try:
+            async with asyncio.timeout(stall_s):
+                await self._context.write(msg)
+        except TimeoutError:
+            if self._state.metrics is not None:
+                self._state.metrics.on_stalled_stream()
+            raise ClientStalledError(
+                f"the client read nothing for {stall_s:g} s (stall_timeout): the call is ended "
+                "and its unread output dropped"
+            ) from None
+
+    def next_sequence_number(self) -> int:
+        self.sequence_number += 1
+        return self.sequence_number
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Validates, admits and streams requests; everything else is the engine's."""
+    """Admits requests, hands them to the engine and streams what it makes."""
 
     def __init__(self, state: ServerState) -> None:
         self._state = state
-        self._llm = state.engine.engine
-        self._tokenizer = self._llm.tokenizer
-        self._max_model_len = self._llm.config.model_config.max_model_len
-        self._block_size = self._llm.config.cache_config.block_size
-        self._max_num_seqs = self._llm.config.scheduler_config.max_num_seqs
+        self._engine = state.engine
+        self._tokenizer = state.engine.get_tokenizer()
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> None:
         request_id = request.request_id or uuid.uuid4().hex
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        with structlog.contextvars.bound_contextvars(request_id=request_id[:_LOGGED_ID_LEN]):
             outcome = _Outcome()
             try:
-                flight = self._prepare(request, request, request_id, "")
-                queue_position = self._state.engine.get_stats().num_waiting
-                (stream,) = await self._open([flight])
+                flight, stream = await self._open(request, context, request_id)
             except Exception as exc:
                 await abort_rpc(context, exc)
+            writer = _Writer(context, self._state)
             try:
-                yield self._accepted(flight, request.response, queue_position)
-                events = self._events(flight, stream, request.response, outcome)
-                async with contextlib.aclosing(events):
-                    async for msg in events:
-                        yield msg
+                await self._stream(flight, stream, request.response, writer, outcome)
+            except ClientStalledError as exc:
+                outcome.finish_reason = _failure_label(exc)
+                set_final_status(context, exc)  # not abort: it would wait for the reader
             except BaseException as exc:
                 outcome.finish_reason = _failure_label(exc)
                 if isinstance(exc, Exception):
                     await abort_rpc(context, exc, has_partial_output=outcome.num_deltas > 0)
                 raise
             finally:
-                await self._close(flight, stream, outcome)
+                await self._close(flight, outcome)
 
     async def Generate(
         self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext
@@ -87,16 +131,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             if not request.prompts:
                 raise InvalidFieldError("prompts", "at least one prompt is required")
-            flights = [
-                self._prepare(request, prompt, f"{batch_id}-{i}", f"prompts[{i}].")
-                for i, prompt in enumerate(request.prompts)
-            ]
-            streams = await self._open(flights)
+            opened = await self._open_batch(request, context, batch_id)
         except Exception as exc:
             await abort_rpc(context, exc)
-        outcomes = [_Outcome() for _ in flights]
+        outcomes = [_Outcome() for _ in opened]
         try:
-            await asyncio.gather(*map(self._collect, flights, streams, outcomes))
+            await asyncio.gather(
+                *(self._collect(f, stream, o) for (f, stream), o in zip(opened, outcomes))
+            )
         except BaseException as exc:
             for outcome in outcomes:
                 if outcome.finish_reason == "UNFINISHED":
@@ -105,25 +147,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 await abort_rpc(context, exc)
             raise
         finally:
-            for flight, stream, outcome in zip(flights, streams, outcomes):
-                await self._close(flight, stream, outcome)
+            for (flight, _), outcome in zip(opened, outcomes):
+                await self._close(flight, outcome)
         results = []
-        for flight, outcome in zip(flights, outcomes):
+        for (flight, _), outcome in zip(opened, outcomes):
             assert outcome.final is not None
-            finished = self._finished(flight, outcome)
+            finished = self._finished(flight, outcome, outcome.final.outputs[0])
             results.append(
                 convert.generate_result(outcome.final, finished, request.response, self._tokenizer)
             )
         return pb.GenerateBatchResponse(results=results)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> Any:
-        tokenizer = self._tokenizer
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        if request.return_offsets and not tokenizer.is_fast:
-            await abort_rpc(context, InvalidFieldError("return_offsets", "needs a fast tokenizer"))
+        try:
+            self._check_tokenize(request)
+        except InvalidFieldError as exc:
+            await abort_rpc(context, exc)
         results = []
         for text in request.texts:
-            encoded = tokenizer(
+            encoded = await self._engine.tokenize(
                 text, add_special_tokens=add_special, return_offsets_mapping=request.return_offsets
             )
             ids, offsets = list(encoded["input_ids"]), encoded.get("offset_mapping") or []
@@ -132,7 +175,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 ids, offsets = ids[-request.truncate :], offsets[-request.truncate :]
             result = pb.TokenizeResult(token_ids=ids, token_count=len(ids))
             if request.return_tokens:
-                result.tokens.extend(tokenizer.convert_ids_to_tokens(ids))
+                result.tokens.extend(await self._engine.convert_ids_to_tokens(ids))
             result.offsets.extend(pb.Offset(start=s, end=e) for s, e in offsets)
             results.append(result)
         return pb.TokenizeResponse(results=results)
@@ -141,166 +184,257 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> Any:
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        vocab_size = self._llm.vocab_size
+        try:
+            self._check_detokenize(request)
+        except InvalidFieldError as exc:
+            await abort_rpc(context, exc)
+        texts = [await self._engine.detokenize(list(seq.ids), skip) for seq in request.sequences]
+        return pb.DetokenizeResponse(texts=texts)
+
+    # -- bounds of the tokenizer calls -------------------------------------------------------
+
+    def _check_tokenize(self, request: pb.TokenizeRequest) -> None:
+        if request.return_offsets and not self._tokenizer.is_fast:
+            raise InvalidFieldError("return_offsets", "needs a fast tokenizer")
+        if len(request.texts) > MAX_TOKENIZE_TEXTS:
+            raise InvalidFieldError("texts", f"at most {MAX_TOKENIZE_TEXTS} texts per call")
+        # the tokenizer thread is shared with prompts: one call may not hold it for long
+        max_bytes = self._engine.config.scheduler_config.max_prompt_bytes
+        if sum(len(text) for text in request.texts) > max_bytes:
+            raise InvalidFieldError(
+                "texts", f"more than {max_bytes} characters in all (max_prompt_bytes)"
+            )
+
+    def _check_detokenize(self, request: pb.DetokenizeRequest) -> None:
+        if len(request.sequences) > MAX_DETOKENIZE_SEQUENCES:
+            raise InvalidFieldError(
+                "sequences", f"at most {MAX_DETOKENIZE_SEQUENCES} sequences per call"
+            )
+        max_ids = 4 * self._engine.max_model_len
+        if sum(len(seq.ids) for seq in request.sequences) > max_ids:
+            raise InvalidFieldError("sequences", f"more than {max_ids} token ids in all")
+        vocab_size = self._engine.vocab_size
         for i, seq in enumerate(request.sequences):
             bad = [t for t in seq.ids if t >= vocab_size]
             if bad:
-                error = InvalidFieldError(
+                raise InvalidFieldError(
                     f"sequences[{i}].ids", f"token ids must be < {vocab_size}, got {bad[:5]}"
                 )
-                await abort_rpc(context, error)
-        texts = [
-            str(self._tokenizer.decode(list(seq.ids), skip_special_tokens=skip))
-            for seq in request.sequences
-        ]
-        return pb.DetokenizeResponse(texts=texts)
 
     # -- one request -------------------------------------------------------------------------
 
-    def _prepare(self, request: Any, prompt_source: Any, request_id: str, prefix: str) -> Flight:
-        """Validate one prompt with the request's options; bad input raises InvalidFieldError."""
-        prompt, prompt_field = convert.prompt_of(prompt_source, prefix)
-        params = convert.sampling_params(request.sampling, request.stopping, request.response)
+    @staticmethod
+    def _sampling_params(request: Any, kind: RequestOutputKind) -> SamplingParams:
         try:
-            token_ids = self._llm.tokenize(prompt)
+            return convert.sampling_params(
+                request.sampling, request.stopping, request.response, kind
+            )
         except InvalidRequestError as exc:
-            raise InvalidFieldError(prompt_field, str(exc)) from exc
-        num_tokens, max_len = len(token_ids), self._max_model_len
-        if num_tokens >= max_len:
-            raise InvalidFieldError(
-                prompt_field,
-                f"the prompt is {num_tokens} tokens: no room for output within the context "
-                f"length ({max_len})",
-            )
-        cache_len = self._state.engine.get_stats().num_gpu_blocks * self._block_size
-        if num_tokens > cache_len:
-            raise InvalidFieldError(
-                prompt_field, f"the prompt is {num_tokens} tokens; the KV cache holds {cache_len}"
-            )
-        if params.max_tokens is not None and num_tokens + params.max_tokens > max_len:
-            raise InvalidFieldError(
-                "stopping.max_new_tokens",
-                f"prompt ({num_tokens} tokens) + max_new_tokens ({params.max_tokens}) exceeds "
-                f"the context length ({max_len})",
-            )
-        if params.n != 1 and prefix:  # a batch result has room for one sample per prompt
-            raise InvalidFieldError("sampling.n", "n > 1 is supported by GenerateStream only")
-        if params.n > self._max_num_seqs:  # the samples run at once, one sequence each
-            raise InvalidFieldError(
-                "sampling.n", f"must be <= the server's max_num_seqs ({self._max_num_seqs})"
-            )
-        if len(request.cache_salt) > MAX_CACHE_SALT_LEN:
-            raise InvalidFieldError(
-                "cache_salt", f"must be at most {MAX_CACHE_SALT_LEN} characters"
-            )
+            raise convert.field_error(exc, "") from None
+
+    async def _open(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
+    ) -> tuple[Flight, RequestStream]:
+        """Admit one request and hand it to the engine; bad input raises InvalidFieldError."""
+        prompt, prompt_field = convert.prompt_of(request)
+        params = self._sampling_params(request, RequestOutputKind.DELTA)
+        tenant = self._state.tenants.identity(context.invocation_metadata() or ())
         time_limit_ms = request.stopping.time_limit_ms
-        return Flight(
-            request_id=request_id,
-            prompt=prompt,
-            prompt_token_ids=token_ids,
-            params=params,
-            priority=request.priority,
-            cache_salt=request.cache_salt or None,
+        flight = Flight(
+            request_id,
             time_limit_s=time_limit_ms / 1000 if time_limit_ms else None,
+            seed=params.seed or 0,
+            queue_position=self._engine.get_stats().num_waiting,
         )
+        self._state.admit([flight])
+        stream = await self._enter(flight, request, tenant, prompt, prompt_field, params)
+        return flight, stream
 
-    async def _open(self, flights: list[Flight]) -> list[EngineStream]:
-        """Admit the flights and hand them to the engine (all or none)."""
+    async def _open_batch(
+        self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext, batch_id: str
+    ) -> list[tuple[Flight, RequestStream]]:
+        """Admit every prompt of a batch (all or none) and hand them to the engine."""
+        params = self._sampling_params(request, RequestOutputKind.FINAL_ONLY)
+        if params.n != 1:  # a batch result has room for one sample per prompt
+            raise InvalidFieldError("sampling.n", "n > 1 is supported by GenerateStream only")
+        prompts = [convert.prompt_of(p, f"prompts[{i}].") for i, p in enumerate(request.prompts)]
+        tenant = self._state.tenants.identity(context.invocation_metadata() or ())
+        flights = [Flight(f"{batch_id}-{i}") for i in range(len(prompts))]
         self._state.admit(flights)
-        streams = [EngineStream(self._state.engine, flight) for flight in flights]
+        opened: list[tuple[Flight, RequestStream]] = []
         try:
-            for stream in streams:
-                await stream.start()
+            for index, (flight, (prompt, field)) in enumerate(zip(flights, prompts)):
+                try:
+                    stream = await self._enter(flight, request, tenant, prompt, field, params)
+                except BaseException:
+                    for later in flights[index + 1 :]:
+                        self._state.entered()
+                        await self._state.release(later)
+                    raise
+                opened.append((flight, stream))
         except BaseException:
-            for flight, stream in zip(flights, streams):
-                await stream.close()
-                self._state.release(flight)
+            for flight, _ in opened:
+                await self._state.release(flight)
             raise
-        return streams
+        return opened
 
-    async def _close(self, flight: Flight, stream: EngineStream, outcome: _Outcome) -> None:
-        await stream.close()
-        self._state.release(flight)
+    async def _enter(
+        self,
+        flight: Flight,
+        request: Any,
+        tenant: str | None,
+        prompt: str | list[int],
+        prompt_field: str,
+        params: SamplingParams,
+    ) -> RequestStream:
+        """Hand one admitted flight to the engine; on failure its slot is given back."""
+        try:
+            return await self._engine.add_request(
+                flight.request_id,
+                prompt,
+                params,
+                request.priority,
+                cache_salt=request.cache_salt or None,
+                tenant=tenant,
+                strict_max_tokens=True,
+            )
+        except InvalidRequestError as exc:
+            await self._state.release(flight)
+            raise convert.field_error(exc, prompt_field) from None
+        except BaseException:
+            await self._state.release(flight)
+            raise
+        finally:
+            self._state.entered()
+
+    async def _close(self, flight: Flight, outcome: _Outcome) -> None:
+        await self._state.release(flight)
         usage = convert.usage(outcome.final) if outcome.final else pb.Usage()
         logger.info(
             "request_finished",
-            request_id=flight.request_id,
+            request_id=flight.request_id[:_LOGGED_ID_LEN],
             finish_reason=outcome.finish_reason,
-            prompt_tokens=len(flight.prompt_token_ids),
-            completion_tokens=usage.completion_tokens,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=outcome.num_completion_tokens,
             time_to_first_token_s=round(usage.time_to_first_token_s, 4),
             total_s=round(time.monotonic() - flight.admitted_at, 4),
             preemptions=usage.preemptions,
         )
 
-    async def _events(
-        self, flight: Flight, stream: EngineStream, options: pb.ResponseOptions, outcome: _Outcome
-    ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """Delta and Heartbeat messages, then Finished and Usage (Accepted is message 0)."""
-        seq = 1
-        num_top = options.logprobs if options.HasField("logprobs") else None
-        # one tracker per sample: with n > 1 each sample streams its own deltas
-        trackers = [
-            DeltaTracker(flight, num_top, options.return_token_ids) for _ in range(flight.params.n)
-        ]
+    async def _next(self, flight: Flight, stream: RequestStream, timeout: float | None) -> Any:
+        """The next output; None after `timeout` of silence. Past the flight's time limit the
+        request is aborted (its final output, finish reason TIME_LIMIT, comes next)."""
+        deadline = None
+        if flight.time_limit_s is not None and flight.abort_reason is None:
+            deadline = flight.admitted_at + flight.time_limit_s
+            left = max(0.0, deadline - time.monotonic())
+            timeout = left if timeout is None else min(timeout, left)
+        out = await stream.get(timeout)
+        if out is None and deadline is not None and time.monotonic() >= deadline:
+            await self._state.abort([flight.request_id], FinishReason.TIME_LIMIT)
+            return await stream.get(0)
+        return out
+
+    async def _stream(
+        self,
+        flight: Flight,
+        stream: RequestStream,
+        options: pb.ResponseOptions,
+        writer: _Writer,
+        outcome: _Outcome,
+    ) -> None:
+        """Accepted, then Delta and Heartbeat messages, then Finished per sample and Usage."""
+        await writer.write(self._accepted(flight, stream, options))
         heartbeat_s = self._state.options.heartbeat_interval
-        async with contextlib.aclosing(follow(self._state, flight, stream, heartbeat_s)) as outs:
-            async for out in outs:
-                if out is None:
-                    phase = convert.phase(self._state.engine.request_phase(flight.request_id))
-                    yield pb.GenerateResponse(
-                        heartbeat=pb.Heartbeat(phase=phase, sequence_number=seq)
-                    )
-                    seq += 1
-                    continue
-                outcome.final = out
-                for completion in out.outputs:
-                    tracker = trackers[completion.index]
-                    delta = tracker.delta(out, seq, self._tokenizer, completion.index)
-                    if delta is not None:
-                        outcome.num_deltas += 1
-                        seq += 1
-                        yield pb.GenerateResponse(delta=delta)
-        assert outcome.final is not None
-        for completion in outcome.final.outputs:
-            finished = self._finished(flight, outcome, completion.index)
-            finished.sequence_number = seq
-            seq += 1
-            yield pb.GenerateResponse(finished=finished)
-        yield pb.GenerateResponse(usage=convert.usage(outcome.final, seq))
+        num_top = options.logprobs if options.HasField("logprobs") else None
+        samples = outcome.samples
+        out = None
+        while out is None or not out.finished:
+            out = await self._next(flight, stream, heartbeat_s)
+            if out is None:
+                phase = convert.phase(self._engine.request_phase(flight.request_id))
+                seq = writer.next_sequence_number()
+                await writer.write(
+                    pb.GenerateResponse(heartbeat=pb.Heartbeat(phase=phase, sequence_number=seq))
+                )
+                continue
+            outcome.final = out
+            for delta in out.outputs:
+                sample = samples.setdefault(delta.index, CompletionOutput(delta.index, "", []))
+                for msg in self._deltas(delta, len(sample.token_ids), options, num_top, writer):
+                    outcome.num_deltas += 1
+                    await writer.write(pb.GenerateResponse(delta=msg))
+                sample.extend(delta)
+        for index in sorted(samples):
+            finished = self._finished(flight, outcome, samples[index])
+            finished.sequence_number = writer.next_sequence_number()
+            await writer.write(pb.GenerateResponse(finished=finished))
+        usage = convert.usage(out, writer.next_sequence_number())
+        usage.completion_tokens = outcome.num_completion_tokens
+        await writer.write(pb.GenerateResponse(usage=usage))
 
-    async def _collect(self, flight: Flight, stream: EngineStream, outcome: _Outcome) -> None:
-        async with contextlib.aclosing(follow(self._state, flight, stream, None)) as outs:
-            async for out in outs:
-                outcome.final = out
-        self._finished(flight, outcome)
+    def _deltas(
+        self,
+        completion: CompletionOutput,
+        token_offset: int,
+        options: pb.ResponseOptions,
+        num_top: int | None,
+        writer: _Writer,
+    ) -> list[pb.Delta]:
+        """One DELTA output as Delta messages of at most MAX_TOKENS_PER_DELTA tokens each."""
+        if not completion.text and not completion.token_ids:
+            return []
+        deltas = []
+        token_ids = completion.token_ids
+        for start in range(0, max(1, len(token_ids)), MAX_TOKENS_PER_DELTA):
+            chunk = token_ids[start : start + MAX_TOKENS_PER_DELTA]
+            msg = pb.Delta(
+                sample_index=completion.index,
+                sequence_number=writer.next_sequence_number(),
+                token_offset=token_offset + start,
+                text=completion.text if start == 0 else "",
+                completion_tokens=token_offset + start + len(chunk),
+            )
+            if options.return_token_ids:
+                msg.token_ids.extend(chunk)
+            if num_top is not None and completion.logprobs is not None:
+                entries = completion.logprobs[start : start + MAX_TOKENS_PER_DELTA]
+                msg.logprobs.extend(convert.logprobs(entries, chunk, num_top, self._tokenizer))
+            deltas.append(msg)
+        return deltas
 
-    def _finished(self, flight: Flight, outcome: _Outcome, sample: int = 0) -> pb.Finished:
-        assert outcome.final is not None and outcome.final.finished
-        reason, stop_string, stop_token_id = convert.finish_reason(
-            outcome.final, flight.abort_reason, self._max_model_len, sample
-        )
+    async def _collect(self, flight: Flight, stream: RequestStream, outcome: _Outcome) -> None:
+        out = await stream.get()  # FINAL_ONLY: the one output is the final one
+        assert out is not None and out.finished
+        outcome.final = out
+        self._finished(flight, outcome, out.outputs[0])  # names the finish for the log
+
+    def _finished(
+        self, flight: Flight, outcome: _Outcome, completion: CompletionOutput
+    ) -> pb.Finished:
+        reason, stop_string, stop_token_id = convert.finish_reason(completion, flight.abort_reason)
         outcome.finish_reason = pb.FinishReason.Name(reason)
         return pb.Finished(
-            sample_index=sample,
+            sample_index=completion.index,
             reason=reason,  # type: ignore[arg-type]
             stop_string=stop_string,
             stop_token_id=stop_token_id,
         )
 
     def _accepted(
-        self, flight: Flight, options: pb.ResponseOptions, queue_position: int
+        self, flight: Flight, stream: RequestStream, options: pb.ResponseOptions
     ) -> pb.GenerateResponse:
+        token_ids = stream.prompt_token_ids
         accepted = pb.Accepted(
             request_id=flight.request_id,
-            prompt_tokens=len(flight.prompt_token_ids),
-            seed=flight.params.seed or 0,
-            queue_position=queue_position,
+            prompt_tokens=len(token_ids),
+            seed=flight.seed,
+            queue_position=flight.queue_position,
         )
         if options.echo_prompt:
-            prompt = flight.prompt
-            if not isinstance(prompt, str):
-                prompt = str(self._tokenizer.decode(prompt, skip_special_tokens=False))
+            prompt = stream.prompt
+            if prompt is None:
+                prompt = str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
             accepted.prompt_text = prompt
-            accepted.prompt_token_ids.extend(flight.prompt_token_ids)
+            accepted.prompt_token_ids.extend(token_ids)
         return pb.GenerateResponse(accepted=accepted)

@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from grpc_health.v1 import health, health_pb2
 
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.errors import DuplicateRequestError, EngineOverloadedError
 from asyncengine.logging import get_logger
-from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.auth import Tenants
 from asyncengine.server.convert import FinishReason
-from asyncengine.server.errors import ServerDrainingError
+from asyncengine.server.errors import InvalidFieldError, ServerDrainingError
 from asyncengine.server.options import ServeOptions
 from asyncengine.v1 import control_pb2, generation_pb2
 
@@ -39,15 +38,12 @@ _FLUSH_S = 5.0
 
 @dataclass
 class Flight:
-    """One admitted request, from admission until its handler has sent its last message."""
+    """One open call's request, from admission until its handler has sent its last message."""
 
     request_id: str
-    prompt: str | list[int]
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    cache_salt: str | None = None
     time_limit_s: float | None = None
+    seed: int = 0  # what Accepted reports, so the client can replay a random request
+    queue_position: int = 0  # requests waiting when it was admitted
     # set by whoever aborts it (Control.Abort, time limit, drain) before the engine sees the abort
     abort_reason: int | None = None
     admitted_at: float = field(default_factory=time.monotonic)
@@ -72,36 +68,66 @@ class ServerState:
         self._resumed = asyncio.Event()  # a new one per drain; Resume sets it
         self.tenants = Tenants.from_options(options)
         self.metrics: ServerMetrics | None = None
+        self._num_entering = 0  # admitted, not yet the engine's
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
     @property
     def max_in_flight(self) -> int:
         """Requests admitted at once: a full running batch plus the bounded waiting queue."""
-        max_num_seqs = self.engine.engine.config.scheduler_config.max_num_seqs
-        return max_num_seqs + self.options.max_queued_requests
+        return self.engine.max_num_seqs + self.options.max_queued_requests
+
+    @property
+    def num_admitted(self) -> int:
+        """Admission slots in use: the engine's work plus requests on their way into it.
+
+        A call whose request is done (its last messages still being written, or never read)
+        holds none: a reader that stops reading cannot keep others out.
+        """
+        return self.engine.num_requests + self._num_entering
 
     def admit(self, flights: list[Flight]) -> None:
-        """Register `flights` (all or none); raise if the server cannot take them now."""
+        """Register `flights` (all or none); raise if the server cannot take them now.
+
+        Each flight holds a slot until `entered` says the engine has it (or refused it).
+        """
         if self.is_draining:
             raise ServerDrainingError("the server is draining and admits no new requests")
         self.engine.check_health()
         ids = [f.request_id for f in flights]
         for request_id in ids:
             if request_id in self.flights or ids.count(request_id) > 1:
-                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight")
-        if len(self.flights) + len(flights) > self.max_in_flight:
+                raise DuplicateRequestError(request_id)
+        if len(flights) > self.max_in_flight:
+            raise InvalidFieldError(
+                "prompts",
+                f"{len(flights)} prompts can never be admitted at once: the server admits "
+                f"{self.max_in_flight} requests (max_num_seqs + max_queued_requests)",
+            )
+        if self.num_admitted + len(flights) > self.max_in_flight:
             raise EngineOverloadedError(
-                f"{len(self.flights)} requests in flight; the limit is {self.max_in_flight}",
+                f"{self.num_admitted} requests admitted; the limit is {self.max_in_flight}",
                 retry_after_s=self.options.retry_after,
             )
         for flight in flights:
             self.flights[flight.request_id] = flight
+        self._num_entering += len(flights)
         self._idle.clear()
 
-    def release(self, flight: Flight) -> None:
-        """Forget a request whose handler is done with it (and make sure the engine is too)."""
-        self.engine.abort(flight.request_id)  # a no-op unless the handler left early
+    def background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` on the loop from a callback (a signal handler), keeping it referenced."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def entered(self) -> None:
+        """One admitted flight is now the engine's (or was refused): its slot is counted there."""
+        self._num_entering -= 1
+
+    async def release(self, flight: Flight) -> None:
+        """Forget a call whose handler is done with it (and make sure the engine is too)."""
+        await self.engine.abort(flight.request_id)  # a no-op unless the handler left early
         if self.flights.get(flight.request_id) is flight:
             del self.flights[flight.request_id]
         if not self.flights:
@@ -112,18 +138,17 @@ class ServerState:
         flight = self.flights.get(request_id)
         return None if flight is None else flight.abort_reason
 
-    def abort(self, request_ids: Iterable[str], reason: int) -> list[str]:
+    async def abort(self, request_ids: Iterable[str], reason: int) -> list[str]:
         """Abort the given requests still in the engine; returns the ids actually aborted."""
-        aborted = []
+        ids = []
         for request_id in request_ids:
             flight = self.flights.get(request_id)
-            if flight is None or not self.engine.engine.is_in_flight(request_id):
+            if flight is None or not self.engine.is_in_flight(request_id):
                 continue
             if flight.abort_reason is None:
                 flight.abort_reason = reason
-            self.engine.abort(request_id)
-            aborted.append(request_id)
-        return aborted
+            ids.append(request_id)
+        return await self.engine.abort(ids)
 
     async def set_serving(self, is_serving: bool) -> None:
         """Readiness ("") and each service's health; the liveness entry is not touched."""
@@ -155,7 +180,7 @@ class ServerState:
                 wait.cancel()
         if resumed.is_set():
             return 0
-        aborted = self.abort(list(self.flights), FinishReason.ABORTED_BY_SERVER)
+        aborted = await self.abort(list(self.flights), FinishReason.ABORTED_BY_SERVER)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), _FLUSH_S)
         logger.info("drain_done", aborted=len(aborted), left=len(self.flights))

@@ -29,6 +29,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # request id -> what failed in that request's own sampling (it gets no token)
+    failures: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -240,9 +242,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler(logits, batch.sampling_reqs)
         ids = [r.request_id for r in batch.sampling_reqs]
+        failures = {ids[row]: repr(exc) for row, exc in sampled.failures.items()}
         return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(ids, sampled.token_ids)),
-            logprobs={i: lp for i, lp in zip(ids, sampled.logprobs) if lp is not None},
+            sampled_token_ids={i: t for i, t in zip(ids, sampled.token_ids) if i not in failures},
+            logprobs={
+                i: lp
+                for i, lp in zip(ids, sampled.logprobs)
+                if lp is not None and i not in failures
+            },
+            failures=failures,
         )
 
     def _prepare_inputs(self, plan: SchedulerOutput) -> _BatchInputs:

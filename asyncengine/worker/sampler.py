@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,8 @@ _SEED_STRIDE = 1_000_003
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[Logprobs | None]
+    # row -> the error that row's own processing raised (its token is not to be used)
+    failures: dict[int, BaseException] = field(default_factory=dict)
 
 
 class Sampler:
@@ -34,24 +36,25 @@ class Sampler:
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties_and_masks(logits, reqs)
+        # a row's own processing failing fails that request only, never the batch
+        failures: dict[int, BaseException] = {}
+        for i, req in enumerate(reqs):
+            try:
+                _apply_penalties_and_masks(logits[i], req)
+            except Exception as exc:  # reported per request
+                failures[i] = exc
         if all(r.sampling_params.is_greedy for r in reqs):
             token_ids = logits.argmax(dim=-1).tolist()
         else:
-            token_ids = [self._sample_one(row, req) for row, req in zip(logits, reqs)]
-        return SamplerOutput(token_ids, self._logprobs(raw_logprobs, token_ids, reqs))
-
-    def _apply_penalties_and_masks(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        for i, req in enumerate(reqs):
-            params = req.sampling_params
-            if params.has_penalties:
-                _apply_penalties(logits[i], req)
-            if req.num_output_tokens < params.min_tokens:
-                banned = [*params.stop_token_ids]
-                if not params.ignore_eos:
-                    banned += req.eos_token_ids
-                logits[i, banned] = -float("inf")
-        return logits
+            token_ids = []
+            for i, (row, req) in enumerate(zip(logits, reqs)):
+                try:
+                    token_ids.append(self._sample_one(row, req))
+                except Exception as exc:
+                    failures.setdefault(i, exc)
+                    token_ids.append(0)
+        logprobs = self._logprobs(raw_logprobs, token_ids, reqs)
+        return SamplerOutput(token_ids, logprobs, failures)
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
         params = req.sampling_params
@@ -95,6 +98,22 @@ class Sampler:
                 entry.update(zip(top.indices.tolist(), top.values.tolist()))
             result.append(entry)
         return result
+
+
+def _apply_penalties_and_masks(logits: torch.Tensor, req: Request) -> None:
+    """One request's row, in place: penalties, logit bias, and the min_tokens ban on stops."""
+    params = req.sampling_params
+    if params.has_penalties:
+        _apply_penalties(logits, req)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+        logits[ids] += bias.to(logits.dtype)
+    if req.num_output_tokens < params.min_tokens:
+        banned = [*params.stop_token_ids]
+        if not params.ignore_eos:
+            banned += req.eos_token_ids
+        logits[banned] = -float("inf")
 
 
 def _apply_penalties(logits: torch.Tensor, req: Request) -> None:

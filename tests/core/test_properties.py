@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from asyncengine.core.block_manager import RELEASED
-from asyncengine.core.request import Request, RequestStatus, sample_request_id
+from asyncengine.core.request import Request, RequestStatus
 from asyncengine.core.scheduler import Scheduler
 
 from .utils import (
@@ -56,9 +56,10 @@ class RequestSpec:
             self.request_id, self.prompt_len, self.max_tokens, priority=self.priority, n=self.n
         )
 
-    @property
-    def sample_ids(self) -> list[str]:
-        return [sample_request_id(self.request_id, i) for i in range(self.n)]
+    def samples(self, requests: dict[str, Request]) -> list[Request]:
+        """Its samples forked so far, by index (sample 0 is the request itself)."""
+        group = [r for r in requests.values() if r.group_id == self.request_id]
+        return sorted(group, key=lambda r: r.sample_index)
 
 
 @st.composite
@@ -126,7 +127,7 @@ def max_steps_for(specs: list[RequestSpec], max_model_len: int) -> int:
 def simulate(scheduler: Scheduler, specs: list[RequestSpec]) -> dict[str, Request]:
     """Feed `specs` to `scheduler` step by step until every request has ended.
 
-    Returns every sample of every request by its scheduler id (`id`, `id#1`, ...).
+    Returns every sample of every request by its scheduler id (forks get ids of their own).
     """
     max_model_len = scheduler.config.max_model_len
     max_steps = max_steps_for(specs, max_model_len)
@@ -144,10 +145,8 @@ def simulate(scheduler: Scheduler, specs: list[RequestSpec]) -> dict[str, Reques
             if spec.abort_step != step or spec.request_id not in requests:
                 continue
             # like the engine: aborting a request aborts every sample it has
-            for sample_id in spec.sample_ids:
-                req = requests.get(sample_id)
-                if req is None:  # not forked (yet)
-                    continue
+            for req in spec.samples(requests):
+                sample_id = req.request_id
                 was_finished = req.is_finished
                 if not was_finished:
                     state = "during a step" if spec.is_abort_mid_step else req.status.name
@@ -183,11 +182,11 @@ def check_outcomes(
         never_fits = (
             spec.prompt_len > config.max_model_len or is_too_big or spec.n > config.max_num_seqs
         )
-        for sample_id in spec.sample_ids:
-            req = requests.get(sample_id)
-            if req is None:  # never forked: the request ended before its prompt was computed
-                assert parent.status in (FINISHED_ABORTED, FINISHED_IGNORED), parent
-            elif req.status is FINISHED_ABORTED:
+        samples = spec.samples(requests)
+        if len(samples) < spec.n:  # not forked: the request ended before its prompt was computed
+            assert parent.status in (FINISHED_ABORTED, FINISHED_IGNORED), parent
+        for req in samples:
+            if req.status is FINISHED_ABORTED:
                 assert spec.abort_step is not None, req
             elif never_fits:
                 assert req.status is FINISHED_IGNORED and req.error, req
@@ -276,7 +275,10 @@ def test_preemption_never_changes_what_a_request_generates(scenario):
     )
     roomy_requests = simulate(roomy, specs)
     assert not roomy.num_preemptions
-    for request_id, req in pressed_requests.items():
+    # forks take fresh engine ids: a sample is (its request, its index) in both runs
+    roomy_samples = {(r.group_id, r.sample_index): r for r in roomy_requests.values()}
+    for req in pressed_requests.values():
+        sample = (req.group_id, req.sample_index)
+        assert sample in roomy_samples, sample
         if req.status is RequestStatus.FINISHED_LENGTH:  # not rejected under pressure
-            assert req.token_ids == roomy_requests[request_id].token_ids, request_id
-    assert pressed_requests.keys() <= roomy_requests.keys()
+            assert req.token_ids == roomy_samples[sample].token_ids, sample

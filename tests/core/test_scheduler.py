@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from asyncengine.core.block_manager import AllocStatus
-from asyncengine.core.request import Request, RequestStatus
+from asyncengine.core.request import FinishReason, Request, RequestStatus
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 
 from .utils import (
@@ -28,6 +28,11 @@ from .utils import (
 
 def ids(requests: list[Request]) -> list[str]:
     return [req.request_id for req in requests]
+
+
+def samples(requests: list[Request]) -> list[tuple[str, int]]:
+    """(group, sample index) of each request: forked samples have engine ids of their own."""
+    return [(req.group_id, req.sample_index) for req in requests]
 
 
 def scripted(script: dict[str, list[int]]):
@@ -268,7 +273,7 @@ def test_auto_mode_recomputes_a_victim_with_less_than_a_block_computed():
     assert_nothing_left(scheduler)
 
 
-def _older_request_and_a_group(**overrides) -> tuple[Scheduler, Request, list[str]]:
+def _older_request_and_a_group(**overrides) -> tuple[Scheduler, Request, list[tuple[str, int]]]:
     """An older request and a newer one with 3 samples, outgrowing a 10-block cache together."""
     scheduler = create_scheduler(num_gpu_blocks=10, max_model_len=32, **overrides)
     old, _ = add_requests(
@@ -278,15 +283,16 @@ def _older_request_and_a_group(**overrides) -> tuple[Scheduler, Request, list[st
             make_request("group", prompt_len=10, max_tokens=12, n=3),
         ],
     )
-    return scheduler, old, ["group", "group#1", "group#2"]
+    return scheduler, old, [("group", 0), ("group", 1), ("group", 2)]
 
 
 def test_the_samples_of_a_request_are_swapped_out_and_back_in_together():
-    scheduler, old, group_ids = _older_request_and_a_group(preemption_mode="auto")
+    scheduler, old, group_samples = _older_request_and_a_group(preemption_mode="auto")
     bm = scheduler.block_manager
     out = step_until_preempted(scheduler)
-    assert ids(out.preempted) == group_ids
+    assert samples(out.preempted) == group_samples
     group = out.preempted
+    group_ids = ids(group)
     assert all(req.status is RequestStatus.SWAPPED for req in group)
     # the prompt's full blocks are shared: moved once, and shared on the CPU too
     cpu_tables = [bm.cpu_block_tables[i] for i in group_ids]
@@ -305,9 +311,11 @@ def test_the_samples_of_a_request_are_swapped_out_and_back_in_together():
 
 
 def test_the_samples_of_a_request_are_recomputed_together_when_the_cpu_pool_is_too_small():
-    scheduler, old, group_ids = _older_request_and_a_group(preemption_mode="swap", num_cpu_blocks=2)
+    scheduler, old, group_samples = _older_request_and_a_group(
+        preemption_mode="swap", num_cpu_blocks=2
+    )
     out = step_until_preempted(scheduler)
-    assert ids(out.preempted) == group_ids and not out.blocks_to_swap_out
+    assert samples(out.preempted) == group_samples and not out.blocks_to_swap_out
     assert all(req.status is RequestStatus.WAITING for req in out.preempted)
     run_until_done(scheduler)
     assert [req.num_output_tokens for req in [old, *out.preempted]] == [12] * 4
@@ -397,7 +405,7 @@ def test_a_request_that_can_never_fit_is_rejected_without_blocking_the_queue(pro
     out = run_step(scheduler)
     assert out.rejected == [never] and out.scheduled == [ok]
     assert never.status is RequestStatus.FINISHED_IGNORED
-    assert never.status.finish_reason == "error"
+    assert never.finish_reason is FinishReason.REJECTED
     assert f"needs {prompt_len} tokens" in never.error
     assert never.num_output_tokens == 0
     run_until_done(scheduler)
@@ -430,7 +438,8 @@ def test_abort_in_any_state_frees_every_block_and_is_idempotent(state):
     scheduler, states = _scheduler_with_one_request_in_each_state()
     req = states[state]
     assert scheduler.abort_request(req.request_id) is req
-    assert req.status is RequestStatus.FINISHED_ABORTED and req.status.finish_reason == "abort"
+    assert req.status is RequestStatus.FINISHED_ABORTED
+    assert req.finish_reason is FinishReason.ABORTED
     assert not scheduler.block_manager.has_blocks(req)
     assert scheduler.abort_request(req.request_id) is None
     run_step(scheduler)
@@ -472,7 +481,7 @@ def _generate(req: Request, sample=fake_model, **overrides) -> Request:
 
 def test_eos_stops_the_request_and_is_kept_as_its_last_token():
     req = _generate(make_request("a"), scripted({"a": [20, 21, EOS, 22]}))
-    assert req.status is RequestStatus.FINISHED_STOPPED and req.status.finish_reason == "stop"
+    assert req.status is RequestStatus.FINISHED_STOPPED and req.finish_reason is FinishReason.EOS
     assert req.output_token_ids == [20, 21, EOS] and req.stop_reason is None
 
 
@@ -489,7 +498,7 @@ def test_a_stop_token_id_stops_the_request_and_is_its_stop_reason():
 
 def test_max_tokens_stops_with_length():
     req = _generate(make_request("a", max_tokens=7))
-    assert req.status is RequestStatus.FINISHED_LENGTH and req.status.finish_reason == "length"
+    assert req.status is RequestStatus.FINISHED_LENGTH and req.finish_reason is FinishReason.LENGTH
     assert req.num_output_tokens == 7
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from asyncengine import testing
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.server import app
 from asyncengine.server.cli import build_parser, engine_args_from
@@ -52,10 +53,8 @@ def serving(model_dir: Callable[..., Path]) -> Callable[..., Any]:
         options = serve_options_from(ns)
         check_options(options)
         args = engine_args_from(ns)
-        if fake_runner:
-            engine = AsyncLLMEngine(app.fake_engine(args))
-        else:
-            engine = AsyncLLMEngine.from_engine_args(args)
+        make_engine = testing.fake_engine if fake_runner else AsyncLLMEngine.from_engine_args
+        engine = make_engine(args)
         server, state, port = await app.start(engine, options)
         try:
             yield Served(f"127.0.0.1:{port}", state)

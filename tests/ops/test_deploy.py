@@ -22,9 +22,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from asyncengine import EngineArgs
-from asyncengine.engine.async_llm_engine import AsyncLLMEngine
-from asyncengine.server import app
+from asyncengine import EngineArgs, testing
 from asyncengine.server.cli import build_parser, engine_args_from
 from asyncengine.server.metrics import ServerMetrics
 from asyncengine.server.options import check_options, serve_options_from
@@ -156,7 +154,7 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_metric_names(model: Path) -> set[str]:
     args = EngineArgs(model=str(model), device="cpu", num_gpu_blocks_override=8)
-    metrics = ServerMetrics(AsyncLLMEngine(app.fake_engine(args)), lambda _: None)
+    metrics = ServerMetrics(testing.fake_engine(args), lambda _: None)
     return {name for name, _ in parse_metrics(generate_latest(metrics.registry).decode())}
 
 

@@ -24,11 +24,18 @@ MAIN_FLAGS = (
 FAULT_FLAGS = (
     "--max-num-seqs", "1", "--num-gpu-blocks-override", "256", "--num-cpu-blocks-override", "8",
 )  # fmt: skip
+# the front-door tests: an admission limit of 4, a short stall time, a cache of 1536 tokens
+FRONT_FLAGS = (
+    "--max-num-seqs", "2", "--max-queued-requests", "2", "--stall-timeout", "4",
+    "--num-gpu-blocks-override", "96", "--num-cpu-blocks-override", "96",
+    "--heartbeat-interval", "0.5",
+)  # fmt: skip
 # name -> (flags, environment)
 SERVER_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "main": (MAIN_FLAGS, {}),
-    # the test-only fault hook: the engine's 150th step raises
-    "fault": (FAULT_FLAGS, {"ASYNCENGINE_FAULT_AFTER_STEPS": str(FAULT_AFTER_STEPS)}),
+    # the test-only fault hook (python -m asyncengine.testing serve): the 150th step raises
+    "fault": ((*FAULT_FLAGS, "--fault-after-steps", str(FAULT_AFTER_STEPS)), {}),
+    "front": (FRONT_FLAGS, {}),
 }
 
 

@@ -502,7 +502,20 @@ def test_sigterm_during_streaming_ends_streams_cleanly_and_exits_0(server: Serve
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
             assert (await watch.read()).status == SERVING
             # two finish within the grace period; two would run ~1000 tokens and are cut off
-            requests = [greedy_request([5, i], 20 if i < 2 else None) for i in range(4)]
+            # (their penalties and logprobs make each step cost far more than on the fast path)
+            slow = {
+                "sampling": pb.SamplingOptions(
+                    temperature=0.0,
+                    repetition_penalty=1.2,
+                    presence_penalty=0.5,
+                    frequency_penalty=0.5,
+                ),
+                "response": pb.ResponseOptions(logprobs=20, return_token_ids=True),
+            }
+            requests = [
+                greedy_request([5, i], 20) if i < 2 else greedy_request([5, i], None, **slow)
+                for i in range(4)
+            ]
             calls = [generation.GenerateStream(r, timeout=60) for r in requests]
             heads = [await read_until(call, "delta") for call in calls]
             server.proc.send_signal(signal.SIGTERM)

@@ -370,7 +370,9 @@ def test_resume_cannot_undo_a_shutdown(model_dir: Callable[..., Path]) -> None:
     """The drain that SIGTERM starts (app.stop) is final."""
 
     async def main() -> None:
-        server, state, target = await start_server(model_dir("llama"), "--drain-grace-period", "2")
+        # a grace period far shorter than the ~2000 tokens the long stream would run
+        grace = ("--drain-grace-period", "0.3")
+        server, state, target = await start_server(model_dir("llama"), *grace)
         async with channel(target) as chan:
             generation, control = stubs(chan)
             long = generation.GenerateStream(greedy_request([7, 9], None))

@@ -31,7 +31,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve_command() -> list[str]:
+def _serve_command(flags: Sequence[str] = ()) -> list[str]:
+    if {"--fake-runner", "--fault-after-steps"} & set(flags):  # the test hooks' entry point
+        return [sys.executable, "-m", "asyncengine.testing", "serve"]
     script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
     if script:
         return [script, "serve"]
@@ -56,7 +58,7 @@ class ServerProcess:
         self.root_cert = root_cert
         self.client_cert = client_cert
         command = [
-            *_serve_command(),
+            *_serve_command(flags),
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--device", "cpu", "--dtype", "float32", "--torch-threads", "1", *flags,
         ]  # fmt: skip

@@ -1,0 +1,165 @@
+"""The one check of every request at the engine's boundary, before any work is done for it.
+
+Each bound is measured by size or count first, so no caller can make the check itself slow.
+Every failure is an `InvalidRequestError` naming the engine's field (`prompt`, `request_id`,
+`stop_token_ids`, ...); front ends translate the name, never the message. `SamplingParams`
+checks its own values on construction; what depends on the model and the cache is here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncengine.config import EngineConfig
+from asyncengine.errors import InvalidRequestError
+from asyncengine.sampling_params import SamplingParams
+
+MAX_REQUEST_ID_LEN = 256
+MAX_CACHE_SALT_LEN = 256
+_MAX_UTF8_BYTES_PER_CHAR = 4
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that passed every check, tokenized: the only thing the engine queues."""
+
+    request_id: str
+    prompt: str | None  # the text, when the caller sent text
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int
+    cache_salt: str | None
+
+
+class RequestValidator:
+    """Checks requests against one engine's vocabulary, context length and cache."""
+
+    def __init__(self, config: EngineConfig, vocab_size: int, num_gpu_blocks: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_model_len = config.model_config.max_model_len
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_prompt_bytes = config.scheduler_config.max_prompt_bytes
+        # a prompt is allocated whole, sliding window or not: it must fit the cache at once
+        self.cache_capacity = num_gpu_blocks * config.cache_config.block_size
+
+    def check_inputs(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Everything that can be checked before tokenizing; cheap whatever the input size."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if len(request_id) > MAX_REQUEST_ID_LEN:
+            raise InvalidRequestError(
+                "request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters"
+            )
+        if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_LEN:
+            raise InvalidRequestError(
+                "cache_salt", f"must be at most {MAX_CACHE_SALT_LEN} characters"
+            )
+        if isinstance(prompt, str):
+            self._check_prompt_size(prompt)
+        else:
+            self._check_prompt_ids(prompt)
+        self._check_params(params)
+
+    def check_tokens(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+        strict_max_tokens: bool = False,
+    ) -> ValidatedRequest:
+        """The checks on the tokenized prompt; returns the request ready to queue.
+
+        `tenant` (a front end's caller identity) salts the prefix cache under `cache_salt`:
+        tenants never share cached blocks, and `cache_salt` splits further within one.
+        A `max_tokens` past the context length caps the output (CONTEXT_LIMIT), as in vLLM's
+        Python API; with `strict_max_tokens` (the wire APIs' rule) it is an error instead.
+        """
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise InvalidRequestError("prompt", "is empty")
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"is {num_tokens} tokens: no room for output within the context length "
+                f"(max_model_len {self.max_model_len})",
+            )
+        if num_tokens > self.cache_capacity:
+            raise InvalidRequestError(
+                "prompt", f"is {num_tokens} tokens; the KV cache holds {self.cache_capacity}"
+            )
+        max_tokens = params.max_tokens
+        if (
+            strict_max_tokens
+            and max_tokens is not None
+            and num_tokens + max_tokens > self.max_model_len
+        ):
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({num_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context length (max_model_len {self.max_model_len})",
+            )
+        return ValidatedRequest(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            list(prompt_token_ids),
+            params,
+            priority,
+            # a pair, written unambiguously: no tenant's salt can spell another tenant's
+            cache_salt if tenant is None else repr((tenant, cache_salt)),
+        )
+
+    def _check_prompt_size(self, prompt: str) -> None:
+        limit = self.max_prompt_bytes
+        # characters bound bytes from below and (x4) from above: encode only when it decides
+        num_bytes = len(prompt)
+        if num_bytes <= limit < num_bytes * _MAX_UTF8_BYTES_PER_CHAR:
+            num_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+        if num_bytes > limit:
+            raise InvalidRequestError(
+                "prompt",
+                f"is over {limit} bytes of text (max_prompt_bytes, derived from the context "
+                f"length {self.max_model_len})",
+            )
+        if not prompt:
+            raise InvalidRequestError("prompt", "is empty")
+
+    def _check_prompt_ids(self, token_ids: list[int]) -> None:
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"is {len(token_ids)} tokens: no room for output within the context length "
+                f"(max_model_len {self.max_model_len})",
+            )
+        self._check_token_ids("prompt", token_ids)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.n > self.max_num_seqs:
+            raise InvalidRequestError(
+                "n",
+                f"is {params.n}, more than max_num_seqs ({self.max_num_seqs}): the samples run "
+                "at once, one sequence each",
+            )
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.logit_bias:
+            self._check_token_ids("logit_bias", list(params.logit_bias))
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError(
+                "logprobs", f"must be <= the vocabulary size ({self.vocab_size})"
+            )
+
+    def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                field, f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
+            )
