@@ -22,6 +22,7 @@ from asyncengine import (
     SamplingParams,
 )
 from asyncengine.core.request import RequestStatus
+from asyncengine.errors import RequestFailedError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -286,3 +287,62 @@ def test_a_block_still_held_when_the_engine_goes_idle_is_reported(model_dir) -> 
     (leak,) = run(main)
     assert leak["log_level"] == "error"
     assert (leak["gpu_blocks"], leak["cpu_blocks"]) == (1, 0)
+
+
+def test_a_failure_of_one_request_ends_it_alone(model_dir, monkeypatch) -> None:
+    """Its sampling row or its detokenizing raising ends that request; the loop goes on."""
+    from asyncengine.engine import output_processor
+    from asyncengine.worker import sampler
+
+    engine = make_engine(model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    poisoned_bias = SamplingParams(temperature=0, max_tokens=12, logit_bias={7: 1.0})
+    apply_row, on_token = sampler._apply_penalties_and_masks, output_processor.RequestState.on_token
+
+    def failing_row(logits, req) -> None:
+        if req.sampling_params.logit_bias:
+            raise IndexError("a bug in this request's row")
+        apply_row(logits, req)
+
+    def failing_text(self, req, logprobs, finish) -> None:
+        if self.request_id == "bad-text" and req.num_output_tokens == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a bug in this request's text")
+        on_token(self, req, logprobs, finish)
+
+    monkeypatch.setattr(sampler, "_apply_penalties_and_masks", failing_row)
+    monkeypatch.setattr(output_processor.RequestState, "on_token", failing_text)
+    expected = LLM(model=str(model_dir("llama")), device="cpu", dtype="float32").generate(
+        KOREAN_PROMPTS[0], params, use_tqdm=False
+    )[0]
+
+    async def main() -> list[Any]:
+        with capture_logs() as logs:
+            results = await asyncio.gather(
+                collect(engine, KOREAN_PROMPTS[0], params, "good"),
+                collect(engine, KOREAN_PROMPTS[1], poisoned_bias, "bad-row"),
+                collect(engine, KOREAN_PROMPTS[2], params, "bad-text"),
+                return_exceptions=True,
+            )
+        assert engine.is_running and not engine.errored
+        assert_nothing_left(engine)
+        await engine.shutdown()
+        return [results, [e for e in logs if e["event"] == "request_failed"]]
+
+    (good, bad_row, bad_text), failures = run(main)
+    assert good[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+    for error in (bad_row, bad_text):
+        assert isinstance(error, RequestFailedError), error
+        assert "a bug" not in str(error)  # the cause is logged, not sent
+    assert {f["request_id"] for f in failures} == {"bad-row", "bad-text"}
+
+
+def test_the_engine_serves_a_second_event_loop_and_ends_quietly(model_dir) -> None:
+    """A script's asyncio.run ending is no engine failure; the next asyncio.run works."""
+    engine = make_engine(model_dir("llama"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with capture_logs() as logs:
+        first = run(lambda: collect(engine, "hello", params, "first"))
+        second = run(lambda: collect(engine, "hello", params, "second"))
+    assert first[-1].outputs[0].token_ids == second[-1].outputs[0].token_ids
+    assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
+    assert not engine.errored

@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
 from typing import Any
 
 import grpc
@@ -16,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from .utils import (
     NOT_SERVING,
     SERVING,
+    _serve_command,
     detail,
     events,
     greedy_request,
@@ -61,3 +64,20 @@ def test_engine_fault_turns_health_not_serving_and_exits_non_zero(server_pool: A
     (dead,) = [r for r in server.log_records() if r["event"] == "engine_dead"]
     assert "injected fault" in dead["cause"]
     assert "request_id" not in dead  # the step loop does not log in a request's context
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading(model_dir: Any) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [
+            *_serve_command(), "--model", str(model_dir("llama")), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu",
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if "cannot listen" in line]
+    assert len(lines) == 1 and str(port) in lines[0], done.stderr
+    assert "engine_started" not in done.stderr  # refused before the model loaded
