@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ from asyncengine.config import EngineArgs
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
-from asyncengine.server.cli import EngineFactory
 from asyncengine.server.convert import FinishReason
 from asyncengine.server.decode import MalformedRequestInterceptor
 from asyncengine.server.metrics import ServerMetrics
@@ -197,6 +197,10 @@ def json_stdlib_logs() -> None:
     )
     for handler in logging.getLogger().handlers:
         handler.setFormatter(formatter)
+
+
+# builds the served engine from the flags (asyncengine.testing injects its hooks this way)
+EngineFactory = Callable[[EngineArgs], AsyncLLMEngine]
 
 
 def check_port_free(options: ServeOptions) -> None:

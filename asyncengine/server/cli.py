@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncengine.config import EngineArgs
@@ -13,9 +12,7 @@ from asyncengine.logging import configure_logging
 from asyncengine.server.options import add_serve_args
 
 if TYPE_CHECKING:
-    from asyncengine.engine.async_llm_engine import AsyncLLMEngine
-
-EngineFactory = Callable[[EngineArgs], "AsyncLLMEngine"]
+    from asyncengine.server.app import EngineFactory
 
 # what each EngineArgs field does, for --help (defaults are printed from EngineArgs itself)
 ENGINE_ARG_HELP = {

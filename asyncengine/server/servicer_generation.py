@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import structlog
 
-from asyncengine.engine.async_llm_engine import RequestStream
+from asyncengine.engine.request_stream import RequestStream
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, RequestOutput

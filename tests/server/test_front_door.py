@@ -1,7 +1,7 @@
 """The front door against careless and hostile callers: each defect a client found, as a test.
 
-Through the generated stubs only. The "main" server is the roomy one; "front" has an admission
-limit of 4 (max_num_seqs 2 + 2 queued), a 4 s stall time and a cache of 1536 tokens.
+Through the generated stubs only, against the "front" server: an admission limit of 4
+(max_num_seqs 2 + 2 queued), a 4 s stall time and a cache of 1536 tokens.
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ def run(coro: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def main_server(server_pool: Any) -> ServerProcess:
-    return server_pool["main"]
-
-
-@pytest.fixture(scope="module")
 def front(server_pool: Any) -> ServerProcess:
     return server_pool["front"]
 
@@ -53,12 +48,12 @@ def alone(server: ServerProcess, prompt: str, max_new_tokens: int) -> str:
 
 
 def test_caller_ids_never_collide_with_the_samples_of_another_request(
-    main_server: ServerProcess,
+    front: ServerProcess,
 ) -> None:
     """`victim#1` in flight, then `victim` with n=2: once the engine's own sample ids."""
 
     async def main() -> tuple[list[Any], list[Any]]:
-        async with main_server.aio_channel() as channel:
+        async with front.aio_channel() as channel:
             generation, _ = stubs(channel)
             first = generation.GenerateStream(
                 greedy_request("the first", 24, request_id="victim#1"), timeout=60
@@ -76,7 +71,7 @@ def test_caller_ids_never_collide_with_the_samples_of_another_request(
     finished = [r.finished for r in second if r.HasField("finished")]
     assert sorted(f.sample_index for f in finished) == [0, 1]
     assert all(f.reason == pb.LENGTH for f in finished)
-    assert alone(main_server, "still serving", 4)
+    assert alone(front, "still serving", 4)
 
 
 @pytest.mark.parametrize(
@@ -96,12 +91,12 @@ def test_caller_ids_never_collide_with_the_samples_of_another_request(
     ],
 )
 def test_token_ids_out_of_the_vocabulary_are_refused_and_harm_no_one(
-    main_server: ServerProcess, field: str, bad: pb.GenerateRequest
+    front: ServerProcess, field: str, bad: pb.GenerateRequest
 ) -> None:
-    expected = alone(main_server, "a bystander", 48)
+    expected = alone(front, "a bystander", 48)
 
     async def main() -> tuple[grpc.aio.AioRpcError, list[Any]]:
-        async with main_server.aio_channel() as channel:
+        async with front.aio_channel() as channel:
             generation, _ = stubs(channel)
             bystander = generation.GenerateStream(greedy_request("a bystander", 48), timeout=60)
             head = await read_until(bystander, "delta")
@@ -115,8 +110,8 @@ def test_token_ids_out_of_the_vocabulary_are_refused_and_harm_no_one(
     assert check_stream_shape(bystander) == expected
 
 
-def test_detokenize_refuses_ids_out_of_the_vocabulary(main_server: ServerProcess) -> None:
-    with main_server.channel() as channel:
+def test_detokenize_refuses_ids_out_of_the_vocabulary(front: ServerProcess) -> None:
+    with front.channel() as channel:
         generation, _ = stubs(channel)
         request = pb.DetokenizeRequest(sequences=[pb.TokenIds(ids=[5]), pb.TokenIds(ids=[512])])
         with pytest.raises(grpc.RpcError) as refused:
@@ -125,9 +120,9 @@ def test_detokenize_refuses_ids_out_of_the_vocabulary(main_server: ServerProcess
 
 
 def test_an_8_mib_prompt_is_refused_by_its_size_before_tokenizing(
-    main_server: ServerProcess,
+    front: ServerProcess,
 ) -> None:
-    with main_server.channel() as channel:
+    with front.channel() as channel:
         generation, _ = stubs(channel)
         with pytest.raises(grpc.RpcError) as refused:
             list(generation.GenerateStream(greedy_request("word " * ((8 << 20) // 5), 4)))
@@ -139,30 +134,30 @@ def test_an_8_mib_prompt_is_refused_by_its_size_before_tokenizing(
     assert bad_field(tokenize_refused.value) == "texts"
 
 
-def test_a_million_stop_strings_are_refused(main_server: ServerProcess) -> None:
+def test_a_million_stop_strings_are_refused(front: ServerProcess) -> None:
     stopping = pb.StoppingOptions(stop=["a"] * 1_000_000)
-    with main_server.channel() as channel:
+    with front.channel() as channel:
         generation, _ = stubs(channel)
         with pytest.raises(grpc.RpcError) as refused:
             list(generation.GenerateStream(greedy_request("x", 4, stopping=stopping)))
     assert bad_field(refused.value) == "stopping.stop"
 
 
-def test_a_1_mib_request_id_is_refused_and_not_logged_whole(main_server: ServerProcess) -> None:
+def test_a_1_mib_request_id_is_refused_and_not_logged_whole(front: ServerProcess) -> None:
     long_id = "i" * (1 << 20)
-    with main_server.channel() as channel:
+    with front.channel() as channel:
         generation, _ = stubs(channel)
         with pytest.raises(grpc.RpcError) as refused:
             list(generation.GenerateStream(greedy_request("x", 4, request_id=long_id)))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad_field(refused.value) == "request_id"
     assert len(refused.value.details()) < 1000
-    assert max(len(line) for line in main_server.log().splitlines()) < 10_000
+    assert max(len(line) for line in front.log().splitlines()) < 10_000
 
 
-def test_a_client_that_leaves_is_logged_as_client_cancelled(main_server: ServerProcess) -> None:
+def test_a_client_that_leaves_is_logged_as_client_cancelled(front: ServerProcess) -> None:
     async def main() -> None:
-        async with main_server.aio_channel() as channel:
+        async with front.aio_channel() as channel:
             generation, _ = stubs(channel)
             call = generation.GenerateStream(greedy_request("leaving", None, request_id="leaver"))
             await read_until(call, "delta")
@@ -170,7 +165,7 @@ def test_a_client_that_leaves_is_logged_as_client_cancelled(main_server: ServerP
         await asyncio.sleep(0.5)
 
     run(main())
-    (line,) = [r for r in main_server.log_records() if r.get("request_id") == "leaver"]
+    (line,) = [r for r in front.log_records() if r.get("request_id") == "leaver"]
     assert line["finish_reason"] == "CLIENT_CANCELLED"
 
 

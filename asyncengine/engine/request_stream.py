@@ -1,0 +1,59 @@
+"""RequestStream: one request's outputs, handed from the step loop to its caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncengine.outputs import RequestOutput
+
+
+class RequestStream:
+    """One request's outputs as the step loop makes them, for its caller to take.
+
+    The step loop never waits for a caller: a CUMULATIVE output replaces the one not yet
+    taken (it carries every token of it) and a DELTA output is merged into it, so a slow
+    caller costs one pending output, bounded by its own request's size.
+    """
+
+    def __init__(self, request_id: str, is_delta: bool = False) -> None:
+        self.request_id = request_id
+        self.is_delta = is_delta
+        self.prompt: str | None = None  # the text, when the caller sent text
+        self.prompt_token_ids: list[int] = []  # set once the prompt is tokenized
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self.is_finished = False  # the final output, or an error, was put
+
+    def put(self, out: RequestOutput) -> None:
+        if self._error is not None:
+            return
+        if self.is_delta and self._pending is not None:
+            self._pending.extend(out)
+        else:
+            self._pending = out
+        self.is_finished = out.finished
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error, self._pending = error, None
+        self.is_finished = True
+        self._ready.set()
+
+    async def get(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next output, or None when none came within `timeout` seconds.
+
+        Raises the request's error (invalid, failed, or the engine died) in its place.
+        """
+        if not self._ready.is_set():
+            try:
+                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                    await self._ready.wait()
+            except TimeoutError:
+                return None
+        if self._error is not None:
+            raise self._error
+        out, self._pending = self._pending, None
+        self._ready.clear()
+        assert out is not None
+        return out
