@@ -255,12 +255,18 @@ class AsyncLLMEngine:
         return aborted
 
     async def tokenize(self, text: str, **kwargs: Any) -> Any:
-        """The tokenizer's encoding of `text` (transformers' `__call__`), off the event loop."""
+        """The tokenizer's encoding of `text` (transformers' `__call__`), off the event loop.
+
+        A text over max_prompt_bytes raises `InvalidRequestError` (field "text") untouched.
+        """
+        self.engine.validator.check_text_size("text", text)
         tokenizer = self.engine.tokenizer
         return await self._off_loop(lambda: tokenizer(text, **kwargs))
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of `token_ids`, off the event loop."""
+        """The text of `token_ids`, off the event loop; an id outside the vocabulary raises
+        `InvalidRequestError` (field "token_ids")."""
+        self.engine.validator.check_token_ids("token_ids", token_ids)
         tokenizer = self.engine.tokenizer
         text = await self._off_loop(
             lambda: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

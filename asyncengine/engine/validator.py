@@ -119,19 +119,23 @@ class RequestValidator:
         )
 
     def _check_prompt_size(self, prompt: str) -> None:
+        self.check_text_size("prompt", prompt)
+        if not prompt:
+            raise InvalidRequestError("prompt", "is empty")
+
+    def check_text_size(self, field: str, text: str) -> None:
+        """A text to tokenize (a prompt, or Tokenize's) is at most max_prompt_bytes of UTF-8."""
         limit = self.max_prompt_bytes
         # characters bound bytes from below and (x4) from above: encode only when it decides
-        num_bytes = len(prompt)
+        num_bytes = len(text)
         if num_bytes <= limit < num_bytes * _MAX_UTF8_BYTES_PER_CHAR:
-            num_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+            num_bytes = len(text.encode("utf-8", "surrogatepass"))
         if num_bytes > limit:
             raise InvalidRequestError(
-                "prompt",
+                field,
                 f"is over {limit} bytes of text (max_prompt_bytes, derived from the context "
                 f"length {self.max_model_len})",
             )
-        if not prompt:
-            raise InvalidRequestError("prompt", "is empty")
 
     def _check_prompt_ids(self, token_ids: list[int]) -> None:
         if len(token_ids) >= self.max_model_len:
@@ -156,6 +160,10 @@ class RequestValidator:
             raise InvalidRequestError(
                 "logprobs", f"must be <= the vocabulary size ({self.vocab_size})"
             )
+
+    def check_token_ids(self, field: str, token_ids: list[int]) -> None:
+        """Every id is in the vocabulary (what a token-id field of any call must hold)."""
+        self._check_token_ids(field, token_ids)
 
     def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]

@@ -71,7 +71,8 @@ def field_error(exc: InvalidRequestError, prompt_field: str) -> InvalidFieldErro
     `prompt_field` is the prompt's (`text`, `token_ids`, `prompts[2].text`)."""
     if isinstance(exc, InvalidFieldError):
         return exc
-    name = prompt_field if exc.field == "prompt" else _PROTO_FIELDS.get(exc.field, exc.field)
+    is_prompt = exc.field in ("prompt", "text", "token_ids")  # what a call's one input is
+    name = prompt_field if is_prompt else _PROTO_FIELDS.get(exc.field, exc.field)
     error = InvalidFieldError(name, exc.description)
     error.__cause__ = exc
     return error

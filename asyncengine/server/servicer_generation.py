@@ -165,10 +165,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except InvalidFieldError as exc:
             await abort_rpc(context, exc)
         results = []
-        for text in request.texts:
-            encoded = await self._engine.tokenize(
-                text, add_special_tokens=add_special, return_offsets_mapping=request.return_offsets
-            )
+        for i, text in enumerate(request.texts):
+            try:
+                encoded = await self._engine.tokenize(
+                    text,
+                    add_special_tokens=add_special,
+                    return_offsets_mapping=request.return_offsets,
+                )
+            except InvalidRequestError as exc:
+                await abort_rpc(context, convert.field_error(exc, f"texts[{i}]"))
             ids, offsets = list(encoded["input_ids"]), encoded.get("offset_mapping") or []
             if request.truncate and len(ids) > request.truncate:
                 # keep the end, as prompts are truncated (the start is usually the least needed)
@@ -188,7 +193,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._check_detokenize(request)
         except InvalidFieldError as exc:
             await abort_rpc(context, exc)
-        texts = [await self._engine.detokenize(list(seq.ids), skip) for seq in request.sequences]
+        texts = []
+        for i, seq in enumerate(request.sequences):
+            try:
+                texts.append(await self._engine.detokenize(list(seq.ids), skip))
+            except InvalidRequestError as exc:
+                await abort_rpc(context, convert.field_error(exc, f"sequences[{i}].ids"))
         return pb.DetokenizeResponse(texts=texts)
 
     # -- bounds of the tokenizer calls -------------------------------------------------------
@@ -213,13 +223,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         max_ids = 4 * self._engine.max_model_len
         if sum(len(seq.ids) for seq in request.sequences) > max_ids:
             raise InvalidFieldError("sequences", f"more than {max_ids} token ids in all")
-        vocab_size = self._engine.vocab_size
-        for i, seq in enumerate(request.sequences):
-            bad = [t for t in seq.ids if t >= vocab_size]
-            if bad:
-                raise InvalidFieldError(
-                    f"sequences[{i}].ids", f"token ids must be < {vocab_size}, got {bad[:5]}"
-                )
 
     # -- one request -------------------------------------------------------------------------
 
