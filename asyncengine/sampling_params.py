@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import json as _json
 import math
-from collections.abc import Sized
+from collections.abc import Iterable, Sized
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncengine.errors import InvalidRequestError
 
@@ -16,6 +18,11 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+# bounds on a constraint, measured before it is parsed or compiled
+MAX_CONSTRAINT_LEN = 64 * 1024  # characters of a schema, regex or grammar
+MAX_CHOICES = 256
+MAX_CHOICE_LEN = 1024
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 _FLOAT_FIELDS = (
@@ -34,6 +41,65 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = enum.auto()  # everything so far
     DELTA = enum.auto()  # only what is new since the last output the caller took
     FINAL_ONLY = enum.auto()  # one output, the final one
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's shape): set exactly one field.
+
+    `json`: a JSON schema (a dict, or its JSON text) the output validates against; `regex`: a
+    pattern the whole output matches; `choice`: the output is one of these strings; `grammar`:
+    an EBNF grammar (xgrammar's dialect of GBNF, start rule `root`); `json_object=True`: any
+    JSON object. `disable_any_whitespace` makes JSON compact (`", "` and `": "` only): some
+    models otherwise emit whitespace without end. Each value is bounded and checked here; a
+    schema, regex or grammar that does not compile is an error naming its field when the
+    request is added (`structured_outputs.regex`, ...).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            rule = "set exactly one of json, regex, choice, grammar or json_object"
+            raise InvalidRequestError(
+                "structured_outputs", rule + (f", got {' and '.join(kinds)}" if kinds else "")
+            )
+        if self.json is not None:
+            self.json = _schema_text(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                is_text = isinstance(value, str) and value != ""
+                _check(is_text, _field(name), "must be a non-empty string", type(value).__name__)
+                _check_len(value, _field(name))
+        if self.choice is not None:
+            _check_count(self.choice, _field("choice"), MAX_CHOICES)
+            # a list, or any sequence (a protobuf repeated field), copied once it is bounded
+            is_sequence = isinstance(self.choice, Iterable) and not isinstance(self.choice, str)
+            choices = list(self.choice) if is_sequence else []
+            _check(
+                len(choices) > 0
+                and all(isinstance(c, str) and 0 < len(c) <= MAX_CHOICE_LEN for c in choices),
+                _field("choice"),
+                f"must be 1 to {MAX_CHOICES} non-empty strings of at most {MAX_CHOICE_LEN} "
+                "characters",
+                [c[:MAX_CHOICE_LEN] if isinstance(c, str) else c for c in choices][:4],
+            )
+            self.choice = choices
+        if self.json_object is not None:
+            is_true = self.json_object is True
+            _check(is_true, _field("json_object"), "must be True when set", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        """The constraint that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -65,6 +131,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop: object = self.stop
@@ -79,6 +146,13 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+            type(self.structured_outputs).__name__,
+        )
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             _check(math.isfinite(value), name, "must be a finite number", value)
@@ -156,3 +230,35 @@ def _check_count(values: object, name: str, limit: int) -> None:
     num_values = len(values) if isinstance(values, Sized) else 0
     if num_values > limit:
         raise InvalidRequestError(name, f"at most {limit} entries, got {num_values}")
+
+
+def _field(name: str) -> str:
+    return f"structured_outputs.{name}"
+
+
+def _check_len(text: str, name: str) -> None:
+    if len(text) > MAX_CONSTRAINT_LEN:
+        raise InvalidRequestError(name, f"at most {MAX_CONSTRAINT_LEN} characters, got {len(text)}")
+
+
+def _schema_text(schema: object) -> str:
+    """A JSON schema as JSON text of a JSON object, bounded before it is parsed."""
+    name = _field("json")
+    if isinstance(schema, dict):
+        try:
+            text = _json.dumps(schema)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidRequestError(name, f"is not JSON-serializable: {exc}") from None
+        _check_len(text, name)
+        return text
+    _check(isinstance(schema, str), name, "must be a dict or its JSON text", type(schema).__name__)
+    assert isinstance(schema, str)
+    _check_len(schema, name)
+    try:
+        parsed = _json.loads(schema)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError(name, f"is not valid JSON: {exc}") from None
+    _check(
+        isinstance(parsed, dict), name, "must be a JSON object (a schema)", type(parsed).__name__
+    )
+    return schema

@@ -42,12 +42,16 @@ class StepStats:
 
 
 class EngineObserver(Protocol):
-    """Receives the loop's measurements (metrics). Both calls run on the loop: keep them cheap."""
+    """Receives the loop's measurements (metrics). Every call runs on the loop: keep them cheap."""
 
     def on_step(self, stats: StepStats) -> None: ...
 
     def on_request_done(self, request_id: str, output: RequestOutput | None) -> None:
         """Once per request: its final output, or None when the engine died under it."""
+
+    def on_structured_request(self, kind: str, compile_s: float | None) -> None:
+        """Once per constrained request queued: its constraint's kind ("json", "regex", ...)
+        and the seconds its grammar took to compile (None: it came from the cache)."""
 
 
 class AsyncLLMEngine:
@@ -71,6 +75,10 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-step")
         self._tokenizer_pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="asyncengine-tokenize"
+        )
+        # structured-outputs grammars compile here: a slow one holds up no prompt's tokenizing
+        self._grammar_pool = ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="asyncengine-grammar"
         )
         # by the caller's id, from the moment a request is accepted until its final output
         self._streams: dict[str, RequestStream] = {}
@@ -195,9 +203,20 @@ class AsyncLLMEngine:
                 tenant,
                 strict_max_tokens,
             )
+            # a constrained request waits here, off the loop and out of the scheduler, until
+            # its grammar is compiled; an invalid one raises InvalidRequestError naming it
+            constraint = None
+            if sampling_params.structured_outputs is not None:
+                constraint = await asyncio.get_running_loop().run_in_executor(
+                    self._grammar_pool, validator.check_structured_outputs, sampling_params
+                )
+                if self._streams.get(request_id) is not stream:  # aborted while compiling
+                    raise asyncio.CancelledError(f"request {request_id!r} was aborted")
             self.check_health()
-            self.engine.add_validated_request(validated)
+            self.engine.add_validated_request(validated, constraint=constraint)
             stream.prompt, stream.prompt_token_ids = validated.prompt, validated.prompt_token_ids
+            if constraint is not None and self.observer is not None:
+                self.observer.on_structured_request(constraint.kind, constraint.compile_s)
         except BaseException:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
@@ -395,6 +414,7 @@ class AsyncLLMEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _timed(fn: Callable[[A], R], arg: A) -> tuple[R, float]:

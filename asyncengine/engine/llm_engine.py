@@ -14,6 +14,7 @@ from asyncengine.core.request import FinishReason, Request, RequestStatus, new_r
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.engine.detokenizer import make_decode
 from asyncengine.engine.output_processor import RequestState
+from asyncengine.engine.structured_output import CompiledConstraint, StructuredOutputManager
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.errors import DuplicateRequestError
 from asyncengine.logging import get_logger
@@ -21,6 +22,7 @@ from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
+from asyncengine.worker.sampler import FillGrammarMasks
 
 logger = get_logger(__name__)
 
@@ -33,7 +35,9 @@ class ModelRunnerLike(Protocol):
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
 
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, plan: SchedulerOutput, fill_grammar_masks: FillGrammarMasks | None = None
+    ) -> ModelRunnerOutput: ...
 
 
 @dataclass
@@ -82,7 +86,12 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
-        self.validator = RequestValidator(config, self.vocab_size, num_gpu_blocks)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
+        self.validator = RequestValidator(
+            config, self.vocab_size, num_gpu_blocks, grammars=self.structured
+        )
         # one state per caller's request, found by the caller's id or by its engine group id
         self._states: dict[str, RequestState] = {}
         self._groups: dict[str, RequestState] = {}
@@ -127,11 +136,17 @@ class LLMEngine:
         self.add_validated_request(validated, arrival_time)
 
     def add_validated_request(
-        self, validated: ValidatedRequest, arrival_time: float | None = None
+        self,
+        validated: ValidatedRequest,
+        arrival_time: float | None = None,
+        constraint: CompiledConstraint | None = None,
     ) -> None:
-        """Queue a request the validator passed (the async engine tokenizes off its loop)."""
+        """Queue a request the validator passed (the async engine tokenizes off its loop, and
+        compiles its structured-outputs constraint there: `constraint`; compiled here if not)."""
         if validated.request_id in self._states:
             raise DuplicateRequestError(validated.request_id)
+        if constraint is None:
+            constraint = self.validator.check_structured_outputs(validated.sampling_params)
         req = Request(
             new_request_id(),
             validated.prompt_token_ids,
@@ -141,6 +156,8 @@ class LLMEngine:
             arrival_time,
             validated.cache_salt,
         )
+        if constraint is not None:
+            self.structured.add(req.group_id, constraint)
         self.scheduler.add_request(req)
         state = RequestState(validated.request_id, req, validated.prompt, self._decode)
         self._states[validated.request_id] = state
@@ -198,6 +215,7 @@ class LLMEngine:
 
     def schedule(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()
+        self.structured.prepare(plan.scheduled)
         if plan.preempted:
             self._warn_of_preemptions(plan)
         return plan
@@ -224,7 +242,10 @@ class LLMEngine:
         self._num_preempted_unreported = 0
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.model_runner.execute_model(plan)
+        structured = self.structured
+        return self.model_runner.execute_model(
+            plan, structured.fill_masks if structured.has_requests else None
+        )
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply sampled tokens, detokenize, check stops; return outputs of changed requests.
@@ -245,6 +266,14 @@ class LLMEngine:
         for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
             state = self._groups[req.group_id]
             changed[req.group_id] = state
+            try:
+                # a grammar that has ended ends its sample, even under min_tokens or ignore_eos
+                is_constrained = self.structured.is_constrained(req) and not req.is_finished
+                if is_constrained and self.structured.accept(req):
+                    self.scheduler.finish_request(req, FinishReason.EOS)
+            except Exception as exc:
+                self._fail(state, "structured output", repr(exc))
+                continue
             try:
                 logprobs = result.logprobs.get(req.request_id)
                 state.on_token(req, logprobs, self.scheduler.finish_request)
@@ -269,6 +298,7 @@ class LLMEngine:
         """The request's last output; the engine forgets it."""
         del self._states[state.request_id]
         del self._groups[state.group_id]
+        self.structured.release(state.group_id)
         out = state.make_output()
         assert out is not None and out.finished
         return out

@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncengine.config import EngineConfig
+from asyncengine.engine.structured_output import (
+    CompiledConstraint,
+    GrammarError,
+    StructuredOutputManager,
+)
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import SamplingParams
 
@@ -34,8 +39,15 @@ class ValidatedRequest:
 class RequestValidator:
     """Checks requests against one engine's vocabulary, context length and cache."""
 
-    def __init__(self, config: EngineConfig, vocab_size: int, num_gpu_blocks: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        vocab_size: int,
+        num_gpu_blocks: int,
+        grammars: StructuredOutputManager | None = None,
+    ) -> None:
         self.vocab_size = vocab_size
+        self.grammars = grammars  # compiles structured-outputs constraints; None: refused
         self.max_model_len = config.model_config.max_model_len
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_prompt_bytes = config.scheduler_config.max_prompt_bytes
@@ -117,6 +129,21 @@ class RequestValidator:
             # a pair, written unambiguously: no tenant's salt can spell another tenant's
             cache_salt if tenant is None else repr((tenant, cache_salt)),
         )
+
+    def check_structured_outputs(self, params: SamplingParams) -> CompiledConstraint | None:
+        """The request's compiled constraint (None without one). Slow on a cache miss: the
+        async engine calls it in a thread pool. One that does not compile is an error naming
+        its field (`structured_outputs.json`, `.regex`, `.choice` or `.grammar`)."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return None
+        field = f"structured_outputs.{constraint.kind}"
+        if self.grammars is None:
+            raise InvalidRequestError(field, "this engine serves no structured outputs")
+        try:
+            return self.grammars.compile(constraint)
+        except GrammarError as exc:
+            raise InvalidRequestError(field, f"does not compile: {exc}") from None
 
     def _check_prompt_size(self, prompt: str) -> None:
         self.check_text_size("prompt", prompt)

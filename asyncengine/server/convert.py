@@ -9,7 +9,11 @@ from asyncengine.engine.llm_engine import EngineStats
 from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import CompletionOutput, Logprobs, RequestOutput
 from asyncengine.outputs import FinishReason as EngineFinish
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from asyncengine.server.errors import InvalidFieldError
 from asyncengine.v1 import control_pb2, generation_pb2
 
@@ -38,6 +42,12 @@ _PROTO_FIELDS = {
     "include_stop_str_in_output": "stopping.include_stop_string",
     "logprobs": "response.logprobs",
     "skip_special_tokens": "response.skip_special_tokens",
+    "structured_outputs": "constraint",
+    "structured_outputs.json": "json_schema",
+    "structured_outputs.json_object": "json_object",
+    "structured_outputs.regex": "regex",
+    "structured_outputs.grammar": "grammar",
+    "structured_outputs.choice": "choice.choices",
 }
 _FINISH_REASONS = {
     EngineFinish.EOS: FinishReason.EOS,
@@ -78,11 +88,32 @@ def field_error(exc: InvalidRequestError, prompt_field: str) -> InvalidFieldErro
     return error
 
 
+def structured_outputs(request: Any) -> StructuredOutputsParams | None:
+    """The `constraint` of a GenerateRequest or GenerateBatchRequest; None when unset.
+
+    A bad value raises the engine's `InvalidRequestError`; `field_error` names the field.
+    """
+    kind = request.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object" and not request.json_object:
+        raise InvalidFieldError("json_object", "must be true when set (unset it for none)")
+    if kind == "choice":
+        # as it is: StructuredOutputsParams bounds its length before copying
+        return StructuredOutputsParams(choice=request.choice.choices)
+    engine_field = "json" if kind == "json_schema" else kind
+    return StructuredOutputsParams(
+        **{engine_field: getattr(request, kind)},
+        disable_any_whitespace=request.disable_any_whitespace,
+    )
+
+
 def sampling_params(
     sampling: generation_pb2.SamplingOptions,
     stopping: generation_pb2.StoppingOptions,
     response: generation_pb2.ResponseOptions,
     output_kind: RequestOutputKind,
+    constraint: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams of a request; picks a seed for random sampling when none is given.
 
@@ -116,6 +147,7 @@ def sampling_params(
             response.skip_special_tokens if response.HasField("skip_special_tokens") else True
         ),
         output_kind=output_kind,
+        structured_outputs=constraint,
     )
 
 

@@ -40,6 +40,9 @@ _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.
                     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 _STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                  0.5, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                    5.0, 10.0, 30.0, 60.0)  # fmt: skip
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class _EngineCollector(Collector):
@@ -186,6 +189,24 @@ class ServerMetrics:
             registry=r,
         )
 
+        self.structured_requests = Counter(
+            P + "structured_output_requests",
+            "Requests with a structured-outputs constraint, queued, by kind (json, regex, "
+            "choice, grammar, json_object)",
+            ["kind"],
+            registry=r,
+        )
+        self.grammar_compile_time = Histogram(
+            P + "grammar_compile_seconds",
+            "Compile time of a structured-outputs grammar, by kind (cache misses only)",
+            ["kind"],
+            buckets=_COMPILE_BUCKETS,
+            registry=r,
+        )
+        for kind in STRUCTURED_KINDS:
+            self.structured_requests.labels(kind)
+            self.grammar_compile_time.labels(kind)
+
     # -- EngineObserver ----------------------------------------------------------------------
 
     def on_step(self, stats: StepStats) -> None:
@@ -198,6 +219,11 @@ class ServerMetrics:
             self.swapped_blocks.labels("out").inc(stats.num_blocks_swapped_out)
         if stats.num_blocks_swapped_in:
             self.swapped_blocks.labels("in").inc(stats.num_blocks_swapped_in)
+
+    def on_structured_request(self, kind: str, compile_s: float | None) -> None:
+        self.structured_requests.labels(kind).inc()
+        if compile_s is not None:
+            self.grammar_compile_time.labels(kind).observe(compile_s)
 
     def on_stalled_stream(self) -> None:
         self.stalled_streams.inc()

@@ -229,8 +229,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     @staticmethod
     def _sampling_params(request: Any, kind: RequestOutputKind) -> SamplingParams:
         try:
+            constraint = convert.structured_outputs(request)
             return convert.sampling_params(
-                request.sampling, request.stopping, request.response, kind
+                request.sampling, request.stopping, request.response, kind, constraint
             )
         except InvalidRequestError as exc:
             raise convert.field_error(exc, "") from None

@@ -12,6 +12,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.worker.model_runner import ModelRunnerOutput
+from asyncengine.worker.sampler import FillGrammarMasks
 
 # next token of a request, given the request (its tokens so far)
 TokenScript = Callable[[Request], int]
@@ -41,7 +42,10 @@ class FakeModelRunner:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         pass
 
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, plan: SchedulerOutput, fill_grammar_masks: FillGrammarMasks | None = None
+    ) -> ModelRunnerOutput:
+        """Scripted tokens; grammars are not applied (a constrained request fails)."""
         self.num_steps += 1
         sampled = {}
         for req in plan.scheduled:

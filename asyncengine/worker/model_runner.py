@@ -18,7 +18,7 @@ from asyncengine.worker import kv_sizing
 from asyncengine.worker.attention import set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
-from asyncengine.worker.sampler import Sampler
+from asyncengine.worker.sampler import FillGrammarMasks, Sampler
 
 logger = get_logger(__name__)
 
@@ -229,7 +229,11 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute_model(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, plan: SchedulerOutput, fill_grammar_masks: FillGrammarMasks | None = None
+    ) -> ModelRunnerOutput:
+        """`fill_grammar_masks` gives the token masks of constrained requests (structured
+        outputs); it runs while the forward does (on CUDA the forward is still in flight)."""
         assert self.cache_engine is not None, "initialize_cache() first"
         self.cache_engine.apply(plan)
         if not plan.scheduled:
@@ -239,8 +243,9 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions)
         if not batch.sampling_reqs:
             return ModelRunnerOutput()
+        masks = None if fill_grammar_masks is None else fill_grammar_masks(batch.sampling_reqs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        sampled = self.sampler(logits, batch.sampling_reqs)
+        sampled = self.sampler(logits, batch.sampling_reqs, masks)
         ids = [r.request_id for r in batch.sampling_reqs]
         failures = {ids[row]: repr(exc) for row, exc in sampled.failures.items()}
         return ModelRunnerOutput(

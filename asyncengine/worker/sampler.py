@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,20 @@ class SamplerOutput:
     failures: dict[int, BaseException] = field(default_factory=dict)
 
 
+@dataclass
+class GrammarMasks:
+    """The tokens each constrained row may sample this step, as xgrammar's packed bitmask."""
+
+    bitmask: torch.Tensor  # int32 [num_sampling_rows, ceil(vocab_size / 32)], on the CPU
+    rows: list[int]  # the rows to mask (the others are unconstrained, or allow every token)
+    # row -> what failed in that row's grammar (its token is not to be used)
+    failures: dict[int, BaseException] = field(default_factory=dict)
+
+
+# given a step's sampling rows, the grammar masks of the constrained ones (None: there are none)
+FillGrammarMasks = Callable[[list[Request]], GrammarMasks | None]
+
+
 class Sampler:
     """Penalties, min_tokens masking, greedy or temperature/top-k/top-p/min-p sampling.
 
@@ -31,13 +47,18 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[Request], grammar_masks: GrammarMasks | None = None
+    ) -> SamplerOutput:
+        """`grammar_masks` applies first: logprobs are those of the constrained distribution."""
         logits = logits.float()
+        if grammar_masks is not None:
+            _apply_grammar_masks(logits, grammar_masks)
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in reqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         # a row's own processing failing fails that request only, never the batch
-        failures: dict[int, BaseException] = {}
+        failures = dict(grammar_masks.failures) if grammar_masks is not None else {}
         for i, req in enumerate(reqs):
             try:
                 _apply_penalties_and_masks(logits[i], req)
@@ -95,9 +116,21 @@ class Sampler:
             entry = {token_id: float(row[token_id])}
             if num_top:
                 top = torch.topk(row, num_top)
-                entry.update(zip(top.indices.tolist(), top.values.tolist()))
+                # a grammar's forbidden tokens (-inf) are no alternatives
+                pairs = zip(top.indices.tolist(), top.values.tolist())
+                entry.update((t, v) for t, v in pairs if v != -math.inf)
             result.append(entry)
         return result
+
+
+def _apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
+    """Set each constrained row's forbidden tokens to -inf (xgrammar's kernel on CUDA)."""
+    if not masks.rows:
+        return
+    import xgrammar as xgr
+
+    bitmask = masks.bitmask.to(logits.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=masks.rows)
 
 
 def _apply_penalties_and_masks(logits: torch.Tensor, req: Request) -> None:
@@ -113,7 +146,11 @@ def _apply_penalties_and_masks(logits: torch.Tensor, req: Request) -> None:
         banned = [*params.stop_token_ids]
         if not params.ignore_eos:
             banned += req.eos_token_ids
+        kept = logits[banned]
         logits[banned] = -float("inf")
+        if params.structured_outputs is not None and bool(torch.isneginf(logits).all()):
+            # the grammar allows only a stop here: the constraint wins over min_tokens
+            logits[banned] = kept
 
 
 def _apply_penalties(logits: torch.Tensor, req: Request) -> None:

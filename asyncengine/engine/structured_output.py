@@ -1,0 +1,240 @@
+"""Structured outputs with xgrammar: each constraint compiled once, one matcher per sample.
+
+A request's constraint is compiled when the request is added (`compile`: thread-safe, cached
+by (kind, spec); the async engine runs it in a thread pool), so it enters the scheduler with
+its grammar ready and the scheduler never knows of grammars. Each step the model runner asks
+for the token bitmask of its constrained rows (`fill_masks`, in the worker thread, while the
+forward runs) and the sampler applies it before sampling; the engine then advances each
+matcher with its sample's new token (`accept`). A matcher lives with its sample: swap and
+recompute keep a sample's tokens, and so its matcher's state, as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncengine.core.request import Request
+from asyncengine.sampling_params import StructuredOutputsParams
+from asyncengine.worker.sampler import GrammarMasks
+
+MAX_CACHED_GRAMMARS = 256
+_MAX_ERROR_LEN = 300
+# xgrammar's errors start with a time and a C++ source location: "[12:00:00] /x/y.cc:94: "
+_ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar (0.2.9) lets a string with minLength/maxLength hold raw control characters, which
+# JSON forbids there: its character rule for such strings, and the one it should be
+_LENGTH_LIMITED_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile; the message says why (xgrammar's words)."""
+
+
+@dataclass(frozen=True)
+class CompiledConstraint:
+    """A request's compiled constraint, ready for matchers."""
+
+    kind: str  # StructuredOutputsParams.kind
+    grammar: Any  # xgrammar.CompiledGrammar
+    compile_s: float | None  # seconds it took; None when it came from the cache
+
+
+@dataclass
+class _Group:
+    """One caller's request: its grammar and a matcher per sample (by engine request id)."""
+
+    grammar: Any
+    matchers: dict[str, Any] = field(default_factory=dict)
+
+
+class StructuredOutputManager:
+    """xgrammar for one tokenizer: the compiler, the compiled-grammar cache and the matchers.
+
+    `compile` may run in any thread (several at once); the matcher calls follow the step:
+    `prepare` and `accept` on the engine's thread, `fill_masks` in the worker thread between
+    them. xgrammar is imported on first use, so an engine that never sees a constraint never
+    loads it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        max_threads: int = 4,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._max_threads = max_threads
+        self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        # a spec being compiled: later requests for it wait on the first one's compile
+        self._compiling: dict[tuple[str, str, bool], Future[Any]] = {}
+        self._groups: dict[str, _Group] = {}
+
+    # -- compiling (any thread) --------------------------------------------------------------
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledConstraint:
+        """The compiled grammar of `params`, from the cache or compiled now (slow: call it off
+        the event loop). A constraint that does not compile raises `GrammarError`."""
+        kind = params.kind
+        key = (kind, _spec(params), params.disable_any_whitespace)
+        with self._lock:
+            grammar = self._cache.get(key)
+            if grammar is not None:
+                self._cache.move_to_end(key)
+                return CompiledConstraint(kind, grammar, None)
+            pending = self._compiling.get(key)
+            if pending is None:
+                future: Future[Any] = Future()
+                self._compiling[key] = future
+        if pending is not None:
+            return CompiledConstraint(kind, pending.result(), None)  # or its GrammarError
+        started = time.perf_counter()
+        try:
+            grammar = self._compile(params)
+        except BaseException as exc:
+            with self._lock:
+                del self._compiling[key]
+            future.set_exception(exc)
+            raise
+        with self._lock:
+            del self._compiling[key]
+            self._cache[key] = grammar
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        future.set_result(grammar)
+        return CompiledConstraint(kind, grammar, time.perf_counter() - started)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        compiler = self._get_compiler()
+        any_whitespace = not params.disable_any_whitespace
+        try:
+            if params.json is not None or params.json_object:
+                schema = _JSON_OBJECT_SCHEMA if params.json is None else params.json
+                return compiler.compile_grammar(json_schema_grammar(schema, any_whitespace))
+            if params.regex is not None:
+                return compiler.compile_regex(params.regex)
+            if params.choice is not None:
+                return compiler.compile_grammar(choice_grammar(params.choice))
+            assert params.grammar is not None
+            return compiler.compile_grammar(params.grammar)
+        except Exception as exc:  # xgrammar raises RuntimeError (and others) for a bad spec
+            raise GrammarError(_error_text(exc)) from None
+
+    def _get_compiler(self) -> Any:
+        """The compiler for this tokenizer, built on first use (a large vocabulary takes a
+        while: this runs in the compiling thread, never on the event loop)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids
+                )
+                # compiled grammars are cached here, bounded by count, with in-flight sharing
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=self._max_threads, cache_enabled=False
+                )
+            return self._compiler
+
+    # -- matchers (the step) -----------------------------------------------------------------
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self._groups)
+
+    def add(self, group_id: str, constraint: CompiledConstraint) -> None:
+        """Constrain every sample of request group `group_id`."""
+        self._groups[group_id] = _Group(constraint.grammar)
+
+    def release(self, group_id: str) -> None:
+        self._groups.pop(group_id, None)
+
+    def is_constrained(self, req: Request) -> bool:
+        return req.group_id in self._groups
+
+    def prepare(self, reqs: list[Request]) -> None:
+        """Give each scheduled sample of a constrained request its matcher, before its first
+        step (samples forked from a request start, as it did, with no output)."""
+        if not self._groups:
+            return
+        import xgrammar as xgr
+
+        for req in reqs:
+            group = self._groups.get(req.group_id)
+            if group is not None and req.request_id not in group.matchers:
+                group.matchers[req.request_id] = xgr.GrammarMatcher(group.grammar)
+
+    def fill_masks(self, reqs: list[Request]) -> GrammarMasks | None:
+        """The allowed next tokens of each constrained row of `reqs` (the rows that sample this
+        step); None when no row is constrained. A row whose matcher fails is reported in
+        `failures`, for its request alone to fail."""
+        import xgrammar as xgr
+
+        bitmask = None
+        rows: list[int] = []
+        failures: dict[int, BaseException] = {}
+        for row, req in enumerate(reqs):
+            group = self._groups.get(req.group_id)
+            if group is None:
+                continue
+            if bitmask is None:
+                bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
+            try:
+                # False: every token is allowed (nothing to apply)
+                if group.matchers[req.request_id].fill_next_token_bitmask(bitmask, row):
+                    rows.append(row)
+            except Exception as exc:
+                failures[row] = exc
+        if bitmask is None:
+            return None
+        return GrammarMasks(bitmask, rows, failures)
+
+    def accept(self, req: Request) -> bool:
+        """Advance `req`'s matcher by its last token; True once the grammar has ended (it
+        accepted a stop token). A token the grammar rejects raises `GrammarError`."""
+        token_id = req.token_ids[-1]
+        matcher = self._groups[req.group_id].matchers[req.request_id]
+        if not matcher.accept_token(token_id):
+            raise GrammarError(f"the grammar rejected sampled token {token_id}")
+        return bool(matcher.is_terminated())
+
+
+def json_schema_grammar(schema: str | dict[str, Any], any_whitespace: bool) -> str:
+    """xgrammar's EBNF for a JSON schema, with raw control characters kept out of strings."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace))
+    # only strings exclude quotes and backslashes: tightening the rule touches nothing else
+    return ebnf.replace(_LENGTH_LIMITED_CHAR, _JSON_STRING_CHAR)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are `choices` (JSON string escapes are EBNF's)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _spec(params: StructuredOutputsParams) -> str:
+    if params.choice is not None:
+        return json.dumps(params.choice, ensure_ascii=False)
+    value = params.json or params.regex or params.grammar
+    return value if isinstance(value, str) else ""
+
+
+def _error_text(exc: Exception) -> str:
+    text = _ERROR_PREFIX.sub("", str(exc).strip()).strip()
+    text = text.split("\n")[0] or type(exc).__name__
+    return text if len(text) <= _MAX_ERROR_LEN else text[: _MAX_ERROR_LEN - 3] + "..."
