@@ -139,7 +139,13 @@ class StructuredOutputManager:
         while: this runs in the compiling thread, never on the event loop)."""
         with self._compiler_lock:
             if self._compiler is None:
-                import xgrammar as xgr
+                try:
+                    import xgrammar as xgr
+                except ImportError:
+                    raise GrammarError(
+                        "structured outputs need xgrammar, which this installation lacks: "
+                        "pip install 'asyncengine[structured]'"
+                    ) from None
 
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids
