@@ -21,7 +21,7 @@ from asyncengine.errors import (
     RequestFailedError,
 )
 from asyncengine.logging import get_logger
-from asyncengine.outputs import RequestOutput
+from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = get_logger(__name__)
@@ -129,12 +129,22 @@ class AsyncLLMEngine:
 
     @property
     def errored(self) -> bool:
+        self._check_model()
         return self._dead is not None
 
     def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine can no longer serve."""
+        self._check_model()
         if self._dead is not None:
             raise self._dead
+
+    def _check_model(self) -> None:
+        """A tensor-parallel rank can fail while the loop is idle: the engine is dead then too."""
+        if self._dead is None:
+            try:
+                self.engine.check_health()
+            except Exception as exc:
+                self._die(exc)
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
@@ -192,7 +202,7 @@ class AsyncLLMEngine:
             else:
                 token_ids = list(prompt)
             if self._streams.get(request_id) is not stream:  # aborted while tokenizing
-                raise asyncio.CancelledError(f"request {request_id!r} was aborted")
+                return _aborted(stream, prompt, token_ids, sampling_params)
             validated = validator.check_tokens(
                 request_id,
                 prompt,
@@ -211,7 +221,7 @@ class AsyncLLMEngine:
                     self._grammar_pool, validator.check_structured_outputs, sampling_params
                 )
                 if self._streams.get(request_id) is not stream:  # aborted while compiling
-                    raise asyncio.CancelledError(f"request {request_id!r} was aborted")
+                    return _aborted(stream, prompt, token_ids, sampling_params)
             self.check_health()
             self.engine.add_validated_request(validated, constraint=constraint)
             stream.prompt, stream.prompt_token_ids = validated.prompt, validated.prompt_token_ids
@@ -391,6 +401,12 @@ class AsyncLLMEngine:
         cause = task.exception()
         if isinstance(cause, asyncio.TimeoutError):
             cause = TimeoutError(f"a step took longer than {self.step_timeout_s} s")
+        self._die(cause)
+
+    def _die(self, cause: BaseException | None) -> None:
+        """The engine is dead: every open stream is told, and nothing new is admitted."""
+        if self._dead is not None:  # already dead (or shut down): its streams were told
+            return
         # the same words for every stream: the cause may hold one request's values
         dead = EngineDeadError("the engine stopped on an internal error (see the server log)")
         dead.__cause__ = cause
@@ -414,7 +430,20 @@ class AsyncLLMEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        # tensor-parallel workers stop here (after the step in flight, if any, or it fails)
+        await asyncio.to_thread(self.engine.shutdown)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _aborted(
+    stream: RequestStream, prompt: str | list[int], token_ids: list[int], params: SamplingParams
+) -> RequestStream:
+    """The stream of a request aborted before the engine queued it: its final output, now."""
+    stream.prompt = prompt if isinstance(prompt, str) else None
+    stream.prompt_token_ids = token_ids
+    samples = [CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(params.n)]
+    stream.put(RequestOutput(stream.request_id, stream.prompt, token_ids, samples, finished=True))
+    return stream
 
 
 def _timed(fn: Callable[[A], R], arg: A) -> tuple[R, float]:

@@ -60,20 +60,17 @@ def _error_info(reason: str, **metadata: str) -> any_pb2.Any:
 
 def status_for(exc: BaseException, *, has_partial_output: bool = False) -> status_pb2.Status:
     """The google.rpc Status for `exc`; `has_partial_output`: deltas were already sent."""
-    if isinstance(exc, DuplicateRequestError):
-        return _status(code_pb2.ALREADY_EXISTS, exc, _error_info("DUPLICATE_REQUEST_ID"))
     if isinstance(exc, InvalidRequestError):
         field, description = exc.field, exc.description
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=field, description=description
         )
-        bad_request = error_details_pb2.BadRequest(field_violations=[violation])
-        return _status(
-            code_pb2.INVALID_ARGUMENT,
-            exc,
-            _any(bad_request),
-            _error_info("INVALID_ARGUMENT", field=field),
-        )
+        bad_request = _any(error_details_pb2.BadRequest(field_violations=[violation]))
+        if isinstance(exc, DuplicateRequestError):
+            info = _error_info("DUPLICATE_REQUEST_ID", field=field)
+            return _status(code_pb2.ALREADY_EXISTS, exc, bad_request, info)
+        info = _error_info("INVALID_ARGUMENT", field=field)
+        return _status(code_pb2.INVALID_ARGUMENT, exc, bad_request, info)
     if isinstance(exc, EngineOverloadedError):
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(max(1, round(exc.retry_after_s * 1000)))

@@ -174,14 +174,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 )
             except InvalidRequestError as exc:
                 await abort_rpc(context, convert.field_error(exc, f"texts[{i}]"))
-            ids, offsets = list(encoded["input_ids"]), encoded.get("offset_mapping") or []
-            if request.truncate and len(ids) > request.truncate:
-                # keep the end, as prompts are truncated (the start is usually the least needed)
-                ids, offsets = ids[-request.truncate :], offsets[-request.truncate :]
-            result = pb.TokenizeResult(token_ids=ids, token_count=len(ids))
-            if request.return_tokens:
-                result.tokens.extend(await self._engine.convert_ids_to_tokens(ids))
-            result.offsets.extend(pb.Offset(start=s, end=e) for s, e in offsets)
+            ids = list(encoded["input_ids"])
+            tokens = await self._engine.convert_ids_to_tokens(ids) if request.return_tokens else []
+            # one message per token, built off the loop: a long text must not stall streams
+            result = await asyncio.to_thread(
+                _tokenize_result, encoded, tokens, request.truncate, request.return_tokens
+            )
             results.append(result)
         return pb.TokenizeResponse(results=results)
 
@@ -261,6 +259,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         params = self._sampling_params(request, RequestOutputKind.FINAL_ONLY)
         if params.n != 1:  # a batch result has room for one sample per prompt
             raise InvalidFieldError("sampling.n", "n > 1 is supported by GenerateStream only")
+        self._state.check_batch_size(len(request.prompts))  # before anything is built per prompt
         prompts = [convert.prompt_of(p, f"prompts[{i}].") for i, p in enumerate(request.prompts)]
         tenant = self._state.tenants.identity(context.invocation_metadata() or ())
         flights = [Flight(f"{batch_id}-{i}") for i in range(len(prompts))]
@@ -442,3 +441,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             accepted.prompt_text = prompt
             accepted.prompt_token_ids.extend(token_ids)
         return pb.GenerateResponse(accepted=accepted)
+
+
+def _tokenize_result(
+    encoded: Any, tokens: list[str], truncate: int, return_tokens: bool
+) -> pb.TokenizeResult:
+    ids, offsets = list(encoded["input_ids"]), encoded.get("offset_mapping") or []
+    if truncate and len(ids) > truncate:
+        # keep the end, as prompts are truncated (the start is usually the least needed)
+        ids, offsets, tokens = ids[-truncate:], offsets[-truncate:], tokens[-truncate:]
+    result = pb.TokenizeResult(token_ids=ids, token_count=len(ids))
+    if return_tokens:
+        result.tokens.extend(tokens)
+    result.offsets.extend(pb.Offset(start=s, end=e) for s, e in offsets)
+    return result

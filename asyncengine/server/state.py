@@ -21,6 +21,7 @@ from asyncengine.server.options import ServeOptions
 from asyncengine.v1 import control_pb2, generation_pb2
 
 if TYPE_CHECKING:
+    from asyncengine.server.http import HttpServer
     from asyncengine.server.metrics import ServerMetrics
 
 logger = get_logger(__name__)
@@ -68,6 +69,7 @@ class ServerState:
         self._resumed = asyncio.Event()  # a new one per drain; Resume sets it
         self.tenants = Tenants.from_options(options)
         self.metrics: ServerMetrics | None = None
+        self.http: HttpServer | None = None  # the OpenAI-compatible API, with --http-port
         self._num_entering = 0  # admitted, not yet the engine's
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
@@ -95,16 +97,12 @@ class ServerState:
         if self.is_draining:
             raise ServerDrainingError("the server is draining and admits no new requests")
         self.engine.check_health()
-        ids = [f.request_id for f in flights]
-        for request_id in ids:
-            if request_id in self.flights or ids.count(request_id) > 1:
-                raise DuplicateRequestError(request_id)
-        if len(flights) > self.max_in_flight:
-            raise InvalidFieldError(
-                "prompts",
-                f"{len(flights)} prompts can never be admitted at once: the server admits "
-                f"{self.max_in_flight} requests (max_num_seqs + max_queued_requests)",
-            )
+        self.check_batch_size(len(flights))
+        seen: set[str] = set()
+        for flight in flights:
+            if flight.request_id in self.flights or flight.request_id in seen:
+                raise DuplicateRequestError(flight.request_id)
+            seen.add(flight.request_id)
         if self.num_admitted + len(flights) > self.max_in_flight:
             raise EngineOverloadedError(
                 f"{self.num_admitted} requests admitted; the limit is {self.max_in_flight}",
@@ -114,6 +112,15 @@ class ServerState:
             self.flights[flight.request_id] = flight
         self._num_entering += len(flights)
         self._idle.clear()
+
+    def check_batch_size(self, num_requests: int) -> None:
+        """A batch larger than can ever be admitted is the caller's mistake, not a retry."""
+        if num_requests > self.max_in_flight:
+            raise InvalidFieldError(
+                "prompts",
+                f"{num_requests} prompts can never be admitted at once: the server admits "
+                f"{self.max_in_flight} requests (max_num_seqs + max_queued_requests)",
+            )
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run `coro` on the loop from a callback (a signal handler), keeping it referenced."""
