@@ -67,6 +67,9 @@ class RequestOutput:
     finished: bool
     error: str | None = None  # why it failed, when it ended rejected or with an error
     metrics: RequestMetrics | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, the first None; set
+    # once the whole prompt is scored (a DELTA stream carries it once)
+    prompt_logprobs: list[Logprobs | None] | None = None
 
     def extend(self, later: RequestOutput) -> None:
         """Merge a later DELTA output of the same request into this one, which the caller
@@ -79,3 +82,5 @@ class RequestOutput:
                 self.outputs.append(completion)
         self.outputs.sort(key=lambda c: c.index)
         self.finished, self.error, self.metrics = later.finished, later.error, later.metrics
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs

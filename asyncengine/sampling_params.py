@@ -128,6 +128,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # the logprob of each prompt token given the ones before it (the first gets None), with
+    # this many top alternatives: what OpenAI's `echo` scores (lm-eval's loglikelihood)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -196,6 +199,13 @@ class SamplingParams:
         )
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]", self.logprobs)
+        if self.prompt_logprobs is not None:
+            _check(
+                0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                "must be in [0, 20]",
+                self.prompt_logprobs,
+            )
         if self.logit_bias:
             _check(
                 all(

@@ -23,8 +23,15 @@ import matplotlib.pyplot as plt
 
 
 def load(folder: Path, name: str) -> dict[str, Any] | None:
+    """A result file; of serving.py's, the gRPC rows (the figures are gRPC's)."""
     path = folder / name
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    result: dict[str, Any] = json.loads(path.read_text())
+    rows = result.get("results")
+    if isinstance(rows, list) and rows and "protocol" in rows[0]:
+        result["results"] = [r for r in rows if r["protocol"] == "grpc"]
+    return result
 
 
 Result = dict[str, Any]

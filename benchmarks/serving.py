@@ -1,9 +1,13 @@
-"""Serving benchmark: `asyncengine serve` under N concurrent gRPC streams.
+"""Serving benchmark: `asyncengine serve` under N concurrent streams, gRPC and HTTP/SSE.
 
-Starts the server as a subprocess on loopback, then for each concurrency runs a closed loop of N
-workers, each streaming one request after another (GenerateStream over grpc.aio), and reports
-output tokens/s, requests/s, time to first token and inter-token latency (p50, p99) as the client
-sees them.
+Starts the server as a subprocess on loopback with --http-port (gRPC and the OpenAI API on
+one engine), then for each concurrency runs a closed loop of N workers, each streaming one
+request after another, over each protocol in turn: GenerateStream over grpc.aio, and
+/v1/completions with stream=True (read as SSE lines, or with --http-client openai through the
+official AsyncOpenAI client). It reports output tokens/s, requests/s, time to first token and
+inter-token latency (p50, p99) as the client sees them.
+
+    python benchmarks/serving.py --protocols grpc http --concurrency 1 16 64 256
 
     python benchmarks/serving.py                          # a small random model, N = 1, 16, 64
     python benchmarks/serving.py --model DIR --concurrency 1 8 --json
@@ -15,8 +19,10 @@ the same load also runs in-process through `AsyncLLMEngine` with the same fake r
 of the two is what gRPC, the servicer and the client cost per token.
 
 ITL: each Delta's gap since the previous one, spread evenly over the tokens it carries (deltas
-merge tokens when the client is slower than the engine). The client runs in this process and
-shares the machine with the server.
+merge tokens when the client is slower than the engine). Over HTTP a chunk says no token count
+(only the final usage does): TTFT is the first chunk with text, as `vllm bench serve` takes it,
+and ITL the gaps between chunks. The client runs in this process and shares the machine with
+the server.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -33,9 +40,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,6 +52,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
 
+R = TypeVar("R")
 SMALL_MODEL: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
                "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
 
@@ -76,13 +86,15 @@ class Server:
 
     def __init__(self, model: str, flags: list[str], log_dir: str) -> None:
         self.port = free_port()
+        self.http_port = free_port()
         self.log_path = Path(log_dir) / f"server-{self.port}.log"
         script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
         command = [script, "serve"] if script else [sys.executable, "-m", "asyncengine.server.cli",
                                                     "serve"]  # fmt: skip
         if "--fake-runner" in flags:  # the test hook lives in its own entry point
             command = [sys.executable, "-m", "asyncengine.testing", "serve"]
-        command += ["--model", model, "--host", "127.0.0.1", "--port", str(self.port), *flags]
+        command += ["--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--http-port", str(self.http_port), *flags]  # fmt: skip
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=self._log, env=env)
@@ -162,6 +174,97 @@ async def closed_loop(
     return summarize(concurrency, samples, wall_s)
 
 
+async def one_http_request(client: Any, model: str, prompt: list[int], max_tokens: int) -> Sample:
+    """One streamed completion read as SSE lines and json.loads (the `openai` client's own
+    parsing costs about 1 ms per chunk here, so it would measure the client, not HTTP)."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }  # fmt: skip
+    started = time.perf_counter()
+    first = last = None
+    gaps: list[float] = []
+    num_tokens = 0
+    async with client.stream("POST", "/completions", json=body) as reply:
+        assert reply.status_code == 200, await reply.aread()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+            if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            elif last is not None:
+                gaps.append(now - last)
+            last = now
+    assert first is not None and last is not None and num_tokens == max_tokens, num_tokens
+    return Sample(first - started, last - started, num_tokens, gaps)
+
+
+async def one_openai_request(client: Any, model: str, prompt: list[int], max_tokens: int) -> Sample:
+    """The same through the official `openai` client (--http-client openai)."""
+    started = time.perf_counter()
+    first = last = None
+    gaps: list[float] = []
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    num_tokens = 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            num_tokens = chunk.usage.completion_tokens
+        if not chunk.choices or not chunk.choices[0].text:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        elif last is not None:
+            gaps.append(now - last)
+        last = now
+    assert first is not None and last is not None and num_tokens == max_tokens, num_tokens
+    return Sample(first - started, last - started, num_tokens, gaps)
+
+
+async def closed_loop_http(
+    base_url: str, concurrency: int, reqs: list[list[int]], max_tokens: int, http_client: str
+) -> dict[str, Any]:
+    """The same closed loop over the OpenAI API (SSE): one connection per stream, as HTTP/1.1
+    has it (gRPC multiplexes every stream over one HTTP/2 connection)."""
+    import openai
+
+    try:
+        import httpx2 as httpx  # what openai >= 2 speaks through
+    except ImportError:
+        import httpx  # type: ignore[no-redef]
+
+    samples: list[Sample] = []
+    queue = list(reversed(reqs))
+    limits = httpx.Limits(max_connections=concurrency + 8)
+    async with (
+        httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as raw,
+        openai.AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0) as client,
+    ):
+        model = (await client.models.list()).data[0].id
+        one, target = (
+            (one_openai_request, client) if http_client == "openai" else (one_http_request, raw)
+        )
+        await one(target, model, reqs[0], 4)  # connect and warm up
+
+        async def worker() -> None:
+            while queue:
+                samples.append(await one(target, model, queue.pop(), max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall_s = time.perf_counter() - started
+    return summarize(concurrency, samples, wall_s)
+
+
 def summarize(concurrency: int, samples: list[Sample], wall_s: float) -> dict[str, Any]:
     ttfts = [s.ttft_s for s in samples]
     itls = [x for s in samples for x in s.itls]
@@ -208,6 +311,27 @@ async def in_process(
     return {"concurrency": concurrency, "in_process_tokens_per_s": round(tokens / wall_s, 1)}
 
 
+def measure(
+    protocol: str, target: str, n: int, reqs: list[list[int]], max_tokens: int, http_client: str
+) -> dict[str, Any]:
+    """One closed loop over `protocol`."""
+    if protocol == "grpc":
+        return asyncio.run(closed_loop(target, n, reqs, max_tokens))
+    return asyncio.run(closed_loop_http(target, n, reqs, max_tokens, http_client))
+
+
+def _in_process(*args: Any) -> dict[str, Any]:
+    return asyncio.run(in_process(*args))
+
+
+def fresh(fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)` in a new interpreter: a client never shares its process with what an earlier
+    one left running (grpc's poller threads, an engine's), which skews the next by 2-4x."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def run(ns: argparse.Namespace, model: str, log_dir: str) -> list[dict[str, Any]]:
     max_num_seqs = max(ns.concurrency)
     flags = ["--device", "cpu", "--dtype", "float32", "--torch-threads", str(ns.threads),
@@ -225,15 +349,26 @@ def run(ns: argparse.Namespace, model: str, log_dir: str) -> list[dict[str, Any]
         server.wait_serving()
         for i, n in enumerate(ns.concurrency):
             reqs = prompts(ns.requests_per_stream * n, ns.prompt_len, vocab_size, ns.seed + i)
-            row = asyncio.run(closed_loop(f"127.0.0.1:{server.port}", n, reqs, ns.max_tokens))
+            local = None
             if ns.fake_runner:
-                local = asyncio.run(in_process(model, n, reqs, ns.max_tokens, max_num_seqs))
-                row["in_process_tokens_per_s"] = local["in_process_tokens_per_s"]
-                row["server_share"] = round(
-                    row["tokens_per_s"] / local["in_process_tokens_per_s"], 3
-                )
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr)
+                local = fresh(_in_process, model, n, reqs, ns.max_tokens, max_num_seqs)
+            for protocol in ns.protocols:
+                target = f"127.0.0.1:{server.port}"
+                if protocol == "http":
+                    target = f"http://127.0.0.1:{server.http_port}/v1"
+                runs = [
+                    fresh(measure, protocol, target, n, reqs, ns.max_tokens, ns.http_client)
+                    for _ in range(ns.repeat)
+                ]
+                measured = max(runs, key=lambda r: r["tokens_per_s"])  # least disturbed
+                row = {"protocol": protocol, **measured}
+                if local is not None:
+                    row["in_process_tokens_per_s"] = local["in_process_tokens_per_s"]
+                    row["server_share"] = round(
+                        row["tokens_per_s"] / local["in_process_tokens_per_s"], 3
+                    )
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
     finally:
         server.stop()
     return rows
@@ -243,7 +378,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="HF model directory (default: a random small Llama)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument(
+        "--protocols",
+        nargs="+",
+        choices=["grpc", "http"],
+        default=["grpc", "http"],
+        help="gRPC GenerateStream and/or the OpenAI API's SSE (default: both)",
+    )
+    parser.add_argument(
+        "--http-client",
+        choices=["sse", "openai"],
+        default="sse",
+        help="read HTTP streams as SSE lines (default) or through the official openai client",
+    )
     parser.add_argument("--requests-per-stream", type=int, default=4)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per row; the fastest is kept (busy machines)"
+    )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads")
@@ -265,9 +416,9 @@ def main() -> None:
         return
     mode = "fake runner" if ns.fake_runner else "model"
     print(f"asyncengine serve ({mode}), {ns.prompt_len}-token prompts, {ns.max_tokens} tokens each")
-    head = ["N", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
-    keys = ["concurrency", "tokens_per_s", "requests_per_s", "ttft_p50_ms", "ttft_p99_ms",
-            "itl_p50_ms", "itl_p99_ms"]  # fmt: skip
+    head = ["protocol", "N", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
+    keys = ["protocol", "concurrency", "tokens_per_s", "requests_per_s", "ttft_p50_ms",
+            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]  # fmt: skip
     if ns.fake_runner:
         head += ["in-proc tok/s", "server/in-proc"]
         keys += ["in_process_tokens_per_s", "server_share"]

@@ -134,9 +134,9 @@ class BlockSpaceManager:
         tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
         return hash((parent if index else ("salt", seq.cache_salt), tokens)), tokens
 
-    def _match_prefix(self, seq: Sequence) -> list[int]:
+    def _match_prefix(self, seq: Sequence, use_cache: bool = True) -> list[int]:
         """Cached blocks holding `seq`'s longest prefix of full blocks (one token always left)."""
-        if not self.enable_caching:
+        if not self.enable_caching or not use_cache:
             return []
         blocks: list[int] = []
         parent = None
@@ -164,23 +164,26 @@ class BlockSpaceManager:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence | int, is_resumed: bool = False) -> AllocStatus:
+    def can_allocate(
+        self, seq: Sequence | int, is_resumed: bool = False, use_cache: bool = True
+    ) -> AllocStatus:
         """Whether `seq`'s tokens (or a number of blocks) fit now, later, or never.
 
         The watermark keeps new requests from taking the last blocks that running ones grow
         into. A request resumed after preemption (`is_resumed`) may have grown into them
         already, so it only needs the blocks themselves; otherwise it could never come back.
+        `use_cache=False` computes every token (prompt logprobs need each position's logits).
         """
         watermark = 0 if is_resumed else self.watermark_blocks
         if isinstance(seq, int):
             return self._fit(seq, watermark)
-        hits = self._match_prefix(seq)
+        hits = self._match_prefix(seq, use_cache)
         # a cached block nobody holds sits in the free queue: reusing it takes a free block too
         num_idle_hits = sum(1 for block in hits if self.gpu_pool.is_idle(block))
         num_needed = self.num_blocks_for(seq.num_tokens)
         return self._fit(num_needed, watermark, num_needed - len(hits) + num_idle_hits)
 
-    def allocate(self, seq: Sequence | int) -> BlockTable:
+    def allocate(self, seq: Sequence | int, use_cache: bool = True) -> BlockTable:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks; return its table.
 
         With a token count instead, the blocks go to a new anonymous sequence (no tokens, so
@@ -189,7 +192,7 @@ class BlockSpaceManager:
         if isinstance(seq, int):
             return self._allocate_anonymous(seq)
         assert seq.request_id not in self.block_tables, f"{seq.request_id} already allocated"
-        hits = self._match_prefix(seq)
+        hits = self._match_prefix(seq, use_cache)
         for block in hits:  # taken before allocating, so allocation cannot evict them
             self.gpu_pool.take(block)
         num_new = self.num_blocks_for(seq.num_tokens) - len(hits)

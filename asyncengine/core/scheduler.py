@@ -190,7 +190,7 @@ class Scheduler:
             if status is AllocStatus.LATER or not self._has_room(budget, [req]):
                 break
             self.waiting.pop(0)
-            num_cached = self.block_manager.allocate(req).num_cached_tokens
+            num_cached = self.block_manager.allocate(req, _uses_cache(req)).num_cached_tokens
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
@@ -224,7 +224,9 @@ class Scheduler:
             return AllocStatus.NEVER
         if 1 + req.num_pending_samples > self.config.max_num_seqs:
             return AllocStatus.NEVER  # its samples could never run at once
-        return self.block_manager.can_allocate(req, is_resumed=req.num_preemptions > 0)
+        return self.block_manager.can_allocate(
+            req, is_resumed=req.num_preemptions > 0, use_cache=_uses_cache(req)
+        )
 
     def _why_never(self, req: Request) -> str:
         num_seqs = 1 + req.num_pending_samples
@@ -360,3 +362,8 @@ class _Budget:
             self.num_tokens -= num_tokens
             self.num_seqs -= 1
         return num_tokens
+
+
+def _uses_cache(req: Request) -> bool:
+    # a prompt found in the prefix cache is not computed, so its positions get no logits
+    return req.sampling_params.prompt_logprobs is None

@@ -263,6 +263,9 @@ class LLMEngine:
             if failure is not None and (state := self._groups.get(req.group_id)) is not None:
                 self._fail(state, "sampling", failure)
                 changed[req.group_id] = state
+            scored = result.prompt_logprobs.get(req.request_id)
+            if scored is not None and (state := self._groups.get(req.group_id)) is not None:
+                state.on_prompt_logprobs(*scored)
         for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
             state = self._groups[req.group_id]
             changed[req.group_id] = state

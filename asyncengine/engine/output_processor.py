@@ -40,6 +40,11 @@ class RequestState:
         self.parent = req
         self.samples: dict[int, _Sample] = {}
         self.is_ended = False  # aborted or failed: over, whichever samples exist by then
+        # the prompt's scores so far (the first token has none), when the caller asked
+        self.prompt_logprobs: list[Logprobs | None] | None = None
+        if req.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self.is_prompt_logprobs_sent = False
         self.add_sample(req)
 
     @property
@@ -87,6 +92,22 @@ class RequestState:
         else:
             finish(req, FinishReason.STOP_STRING)
 
+    def on_prompt_logprobs(self, first_index: int, entries: list[Logprobs]) -> None:
+        """Scores of prompt tokens from `first_index` on; a recomputed prefill scores again
+        what it scored before, and only what is new is kept."""
+        scored = self.prompt_logprobs
+        if scored is not None and first_index <= len(scored):
+            scored += entries[len(scored) - first_index :]
+
+    def _prompt_logprobs_to_send(self, is_delta: bool) -> list[Logprobs | None] | None:
+        scored = self.prompt_logprobs
+        if scored is None or len(scored) < self.parent.num_prompt_tokens:
+            return None
+        if is_delta and self.is_prompt_logprobs_sent:
+            return None
+        self.is_prompt_logprobs_sent = True
+        return scored
+
     def make_output(self) -> RequestOutput | None:
         """The output the caller gets after this step; None when it wants nothing yet."""
         kind = self.parent.sampling_params.output_kind
@@ -115,6 +136,7 @@ class RequestState:
                 num_cached_tokens=parent.num_cached_tokens,
                 num_output_tokens=max(s.req.num_output_tokens for s in self.samples.values()),
             ),
+            prompt_logprobs=self._prompt_logprobs_to_send(is_delta),
         )
 
 

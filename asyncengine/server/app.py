@@ -115,13 +115,22 @@ async def start(
     state = ServerState(engine, options, health.aio.HealthServicer())
     await state.set_serving(False)
     server, port = build_server(state)
-    if options.metrics_port is not None:
+    if options.metrics_port is not None or options.http_port is not None:
+        # one registry, on --metrics-port and on the HTTP API's /metrics alike
         state.metrics = ServerMetrics(engine, state.abort_reason_of)
+        engine.observer = state.metrics
+    if options.metrics_port is not None:
+        assert state.metrics is not None
         host = options.metrics_host or options.host
         metrics_port = state.metrics.start_http(host, options.metrics_port)
-        engine.observer = state.metrics
         logger.info("metrics_serving", host=host, port=metrics_port, path="/metrics")
     await server.start()
+    if options.http_port is not None:
+        from asyncengine.server.http import HttpServer  # FastAPI loads only when it serves
+
+        state.http = HttpServer(state)
+        http_port = await state.http.start(options.http_port)
+        logger.info("http_serving", host=state.http.host, port=http_port, api="openai")
     await state.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await state.set_serving(True)
     logger.info(
@@ -140,6 +149,8 @@ async def stop(server: grpc.aio.Server, state: ServerState) -> int:
     else:
         logger.error("engine_dead_shutting_down", in_flight=len(state.flights))
     await state.health.enter_graceful_shutdown()
+    if state.http is not None:
+        await state.http.stop()
     await server.stop(_STOP_GRACE_S)
     exit_code = 1 if engine.errored else 0
     await engine.shutdown()
@@ -204,17 +215,19 @@ EngineFactory = Callable[[EngineArgs], AsyncLLMEngine]
 
 
 def check_port_free(options: ServeOptions) -> None:
-    """Fail in a line, before the model loads, when the gRPC port is taken."""
-    if options.port == 0:
-        return
-    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((options.host, options.port))
-        except OSError as exc:
-            raise OSError(
-                f"cannot listen on {options.host}:{options.port}: {exc.strerror or exc}"
-            ) from None
+    """Fail in a line, before the model loads, when the gRPC (or HTTP) port is taken."""
+    ports = [(options.host, options.port)]
+    if options.http_port is not None:
+        ports.append((options.http_host or options.host, options.http_port))
+    for host, port in ports:
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def run(

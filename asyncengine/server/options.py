@@ -36,6 +36,9 @@ class ServeOptions:
     metrics_port: int | None = None
     metrics_host: str | None = None
     max_connection_age: float | None = None
+    http_port: int | None = None
+    http_host: str | None = None
+    chat_template: str | None = None
 
 
 # flag -> (type, help); defaults come from ServeOptions so they are stated once
@@ -101,6 +104,19 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "seconds after which a client connection is asked to close (HTTP/2 GOAWAY; calls in "
         "flight finish): clients then reconnect and re-resolve DNS, so balancing clients find "
         "replicas added by scale-out (default: never)",
+    ),
+    "http_port": (
+        int,
+        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics, ...), served beside gRPC over the same engine, "
+        "admission limits, tokens and drain (0 picks a free one; the log line 'http_serving' "
+        "says which; default: no HTTP API)",
+    ),
+    "http_host": (str, "address of the HTTP API (default: --host)"),
+    "chat_template": (
+        str,
+        "file holding a Jinja chat template for /v1/chat/completions, in place of the "
+        "tokenizer's own (default: the tokenizer's; a model with none answers chat with 400)",
     ),
     "torch_threads": (
         int,
@@ -209,3 +225,9 @@ def check_options(options: ServeOptions) -> None:
         raise ValueError("--metrics-port must be in [0, 65535]")
     if options.metrics_port and options.metrics_port == options.port:
         raise ValueError("--metrics-port must differ from --port")
+    if options.http_port is not None and not 0 <= options.http_port <= 65535:
+        raise ValueError("--http-port must be in [0, 65535]")
+    if options.http_port and options.http_port in (options.port, options.metrics_port):
+        raise ValueError("--http-port must differ from --port and --metrics-port")
+    if options.chat_template and not os.path.isfile(options.chat_template):
+        raise ValueError(f"--chat-template {options.chat_template!r} is not a readable file")

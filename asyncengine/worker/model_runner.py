@@ -18,7 +18,10 @@ from asyncengine.worker import kv_sizing
 from asyncengine.worker.attention import set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
-from asyncengine.worker.sampler import FillGrammarMasks, Sampler
+from asyncengine.worker.sampler import FillGrammarMasks, Sampler, prompt_logprobs
+
+# prompt positions scored at once: bounds the [rows, vocab] logits of a long prompt
+_PROMPT_LOGITS_CHUNK = 512
 
 logger = get_logger(__name__)
 
@@ -31,6 +34,18 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # request id -> what failed in that request's own sampling (it gets no token)
     failures: dict[str, str] = field(default_factory=dict)
+    # request id -> (index of the first prompt token scored, one entry per token from there)
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class _PromptRows:
+    """The rows of one request's scheduled prompt positions whose next token is scored."""
+
+    req: Request
+    first_row: int
+    first_position: int
+    num_rows: int
 
 
 @dataclass
@@ -40,6 +55,7 @@ class _BatchInputs:
     attn_metadata: AttentionMetadata
     sampling_reqs: list[Request]
     logits_indices: torch.Tensor
+    prompt_rows: list[_PromptRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -241,22 +257,43 @@ class ModelRunner:
         batch = self._prepare_inputs(plan)
         with set_forward_context(batch.attn_metadata, self.cache_engine.gpu_cache):
             hidden = self.model(batch.input_ids, batch.positions)
+        output = ModelRunnerOutput()
+        for rows in batch.prompt_rows:
+            try:
+                output.prompt_logprobs[rows.req.request_id] = self._score_prompt(hidden, rows)
+            except Exception as exc:  # this request's failure only
+                output.failures[rows.req.request_id] = repr(exc)
         if not batch.sampling_reqs:
-            return ModelRunnerOutput()
+            return output
         masks = None if fill_grammar_masks is None else fill_grammar_masks(batch.sampling_reqs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler(logits, batch.sampling_reqs, masks)
         ids = [r.request_id for r in batch.sampling_reqs]
-        failures = {ids[row]: repr(exc) for row, exc in sampled.failures.items()}
-        return ModelRunnerOutput(
-            sampled_token_ids={i: t for i, t in zip(ids, sampled.token_ids) if i not in failures},
-            logprobs={
-                i: lp
-                for i, lp in zip(ids, sampled.logprobs)
-                if lp is not None and i not in failures
-            },
-            failures=failures,
-        )
+        output.failures.update({ids[row]: repr(exc) for row, exc in sampled.failures.items()})
+        failures = output.failures
+        output.sampled_token_ids = {
+            i: t for i, t in zip(ids, sampled.token_ids) if i not in failures
+        }
+        output.logprobs = {
+            i: lp for i, lp in zip(ids, sampled.logprobs) if lp is not None and i not in failures
+        }
+        return output
+
+    def _score_prompt(self, hidden: torch.Tensor, rows: _PromptRows) -> tuple[int, list[Logprobs]]:
+        """Prompt logprobs of the tokens after `rows`' positions, a chunk of rows at a time."""
+        req, num_top = rows.req, rows.req.sampling_params.prompt_logprobs
+        assert num_top is not None
+        first_target = rows.first_position + 1
+        targets = req.token_ids[first_target : first_target + rows.num_rows]
+        entries: list[Logprobs] = []
+        for start in range(0, rows.num_rows, _PROMPT_LOGITS_CHUNK):
+            stop = min(start + _PROMPT_LOGITS_CHUNK, rows.num_rows)
+            logits = self.model.compute_logits(
+                hidden[rows.first_row + start : rows.first_row + stop]
+            )
+            target_ids = torch.tensor(targets[start:stop], dtype=torch.long, device=self.device)
+            entries += prompt_logprobs(logits, target_ids, num_top)
+        return first_target, entries
 
     def _prepare_inputs(self, plan: SchedulerOutput) -> _BatchInputs:
         # one-token sequences first, so attention can treat them as one padded batch
@@ -269,6 +306,7 @@ class ModelRunner:
         query_start_loc = [0]
         context_lens, seq_lens, tables = [], [], []
         sampling_reqs, logits_indices = [], []
+        prompt_rows = []
         for req in reqs:
             start, n = req.num_computed_tokens, num_new[req.request_id]
             table = plan.block_tables[req.request_id]
@@ -282,6 +320,12 @@ class ModelRunner:
             if start + n == req.num_tokens:
                 sampling_reqs.append(req)
                 logits_indices.append(query_start_loc[-1] - 1)
+            # a position scores the prompt token after it; forked samples leave it to sample 0
+            num_scored = min(start + n, req.num_prompt_tokens - 1) - start
+            is_scored = req.sampling_params.prompt_logprobs is not None and req.sample_index == 0
+            if is_scored and num_scored > 0:
+                row = query_start_loc[-2]
+                prompt_rows.append(_PromptRows(req, row, start, num_scored))
         max_blocks = max(len(t) for t in tables)
         # padding and released entries (outside a sliding window, so masked) read block 0
         padded = [[max(b, 0) for b in t] + [0] * (max_blocks - len(t)) for t in tables]
@@ -305,4 +349,5 @@ class ModelRunner:
             attn_metadata=meta,
             sampling_reqs=sampling_reqs,
             logits_indices=tensor(logits_indices, torch.long),
+            prompt_rows=prompt_rows,
         )

@@ -123,6 +123,19 @@ class Sampler:
         return result
 
 
+def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list[Logprobs]:
+    """Row i scores `target_ids[i]` (the prompt token after row i's position): its logprob and
+    the top `num_top`, from the raw logits (no penalties: the prompt was not sampled)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, target_ids.unsqueeze(1)).squeeze(1).tolist()
+    entries: list[Logprobs] = [{t: lp} for t, lp in zip(target_ids.tolist(), chosen)]
+    if num_top:
+        top = torch.topk(logprobs, num_top, dim=-1)
+        for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
+            entry.update(zip(ids, values))
+    return entries
+
+
 def _apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
     """Set each constrained row's forbidden tokens to -inf (xgrammar's kernel on CUDA)."""
     if not masks.rows:

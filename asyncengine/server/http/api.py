@@ -1,0 +1,188 @@
+"""The FastAPI application: OpenAI's routes plus health, version, tokenize, detokenize and
+metrics, every failure answered in OpenAI's error shape (errors.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import asyncengine
+from asyncengine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    RequestFailedError,
+)
+from asyncengine.server.errors import ServerDrainingError, UnauthenticatedError
+from asyncengine.server.http import protocol
+from asyncengine.server.http.call import HttpContext
+from asyncengine.server.http.chat import create_chat_completion, render_chat
+from asyncengine.server.http.completions import create_completion
+from asyncengine.server.http.errors import (
+    BodyTooLargeError,
+    InvalidParamError,
+    ModelNotFoundError,
+    error_body,
+    error_response,
+)
+from asyncengine.server.state import ServerState
+
+_HANDLED = (
+    InvalidRequestError,
+    EngineOverloadedError,
+    ServerDrainingError,
+    EngineDeadError,
+    RequestFailedError,
+    UnauthenticatedError,
+    ModelNotFoundError,
+    BodyTooLargeError,
+    RequestValidationError,
+    HTTPException,
+)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The HTTP API of one server, over its engine and state (shared with gRPC)."""
+    ctx = HttpContext.create(state)
+    app = FastAPI(title="asyncengine", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=state.options.max_message_size)
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return error_response(exc)
+
+    for kind in _HANDLED:
+        app.add_exception_handler(kind, on_error)
+    app.add_exception_handler(Exception, on_error)  # logged there, answered in OpenAI's shape
+    _add_openai_routes(app, ctx)
+    _add_server_routes(app, ctx)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
+    state = ctx.state
+
+    @app.post("/v1/completions")
+    async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: protocol.ChatRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> protocol.ModelList:
+        ctx.authorize(request)
+        card = protocol.ModelCard(
+            id=ctx.model_name,
+            created=ctx.started_at,
+            root=state.engine.config.model_config.model,
+            max_model_len=state.engine.max_model_len,
+        )
+        return protocol.ModelList(data=[card])
+
+
+def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
+    """Health, version and metrics for probes and scrapers; vLLM's tokenizer routes."""
+    state = ctx.state
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.errored:
+            body = error_body("the engine is dead", "server_error", code="engine_dead")
+            return JSONResponse(body, 503)
+        if state.is_draining:
+            body = error_body("the server is draining", "server_error", code="draining")
+            return JSONResponse(body, 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": asyncengine.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.metrics is None:
+            raise HTTPException(404, "metrics are off")
+        # cheap reads of counters and the engine's stats, made on the loop that owns them
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(body: protocol.TokenizeRequest, request: Request) -> dict[str, Any]:
+        ctx.authorize(request)
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidParamError("prompt", "give either prompt or messages")
+        if body.messages is not None:
+            ids = await render_chat(ctx, body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            max_bytes = state.engine.config.scheduler_config.max_prompt_bytes
+            if len(body.prompt.encode("utf-8", "surrogatepass")) > max_bytes:
+                raise InvalidParamError("prompt", f"is over {max_bytes} bytes (max_prompt_bytes)")
+            encoded = await state.engine.tokenize(
+                body.prompt, add_special_tokens=body.add_special_tokens
+            )
+            ids = list(encoded["input_ids"])
+        result: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": state.engine.max_model_len,
+            "tokens": ids,
+        }
+        if body.return_token_strs:
+            result["token_strs"] = await state.engine.convert_ids_to_tokens(ids)
+        return result
+
+    @app.post("/detokenize")
+    async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> dict[str, str]:
+        ctx.authorize(request)
+        ctx.check_model(body.model)
+        max_ids, vocab_size = 4 * state.engine.max_model_len, state.engine.vocab_size
+        if len(body.tokens) > max_ids:
+            raise InvalidParamError("tokens", f"more than {max_ids} token ids")
+        bad = [t for t in body.tokens if not 0 <= t < vocab_size]
+        if bad:
+            rule = f"token ids must be in [0, {vocab_size}), got {bad[:5]}"
+            raise InvalidParamError("tokens", rule)
+        return {"prompt": await state.engine.detokenize(body.tokens)}
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` before it is read whole (a JSON body is parsed
+    only once complete, so its size is bounded first)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await error_response(self._error()).__call__(scope, receive, send)
+                return
+        num_bytes = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > self.max_bytes:
+                    raise self._error()
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+    def _error(self) -> BodyTooLargeError:
+        return BodyTooLargeError(
+            f"the request body is over {self.max_bytes} bytes (--max-message-size)"
+        )

@@ -1,0 +1,218 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) to the engine and back, whole
+or as SSE; `echo` with `logprobs` scores the prompt (lm-eval's loglikelihood requests)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from asyncengine.errors import InvalidRequestError
+from asyncengine.outputs import CompletionOutput, Logprobs, RequestOutput
+from asyncengine.sampling_params import RequestOutputKind
+from asyncengine.server.http import protocol, sse
+from asyncengine.server.http.call import Call, HttpContext, check_prompt_list, request_id_of
+from asyncengine.server.http.errors import UnsupportedParamError
+from asyncengine.server.http.params import (
+    COMPLETION_PARAMS,
+    completion_logprobs,
+    finish_reason,
+    param_error,
+    sampling_params,
+)
+
+
+@dataclass
+class _Plan:
+    """What the response holds beside the engine's outputs."""
+
+    response_id: str
+    created: int
+    num_samples: int
+    num_top: int | None  # logprobs=k
+    echo: bool
+    is_echo_only: bool  # echo with max_tokens 0: the prompt alone, nothing generated
+    # per choice of a stream: whether the prompt went out yet, and the text sent so far
+    echoed: set[int] = field(default_factory=set)
+    offsets: dict[int, int] = field(default_factory=dict)
+    # per prompt: its scores, which come once, in its first output
+    prompt_logprobs: dict[int, list[Logprobs | None]] = field(default_factory=dict)
+
+
+async def create_completion(
+    ctx: HttpContext, body: protocol.CompletionRequest, request: Request
+) -> Response:
+    tenant = ctx.authorize(request)
+    ctx.check_model(body.model)
+    if body.suffix:
+        raise UnsupportedParamError("suffix", "is not supported")
+    if body.best_of is not None and body.best_of != (body.n or 1):
+        raise UnsupportedParamError("best_of", "is supported only equal to n")
+    prompts = check_prompt_list(body.prompt, "prompt")
+    echo = bool(body.echo)
+    is_echo_only = echo and body.max_tokens == 0
+    kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
+    try:
+        params = sampling_params(
+            body,
+            # the prompt is scored by the step that samples its first token: one is made,
+            # and dropped (vLLM's way with echo and max_tokens 0)
+            1 if is_echo_only else body.max_tokens,
+            body.logprobs,
+            kind,
+            prompt_logprobs=body.logprobs if echo else None,
+        )
+    except InvalidRequestError as exc:
+        raise param_error(exc, COMPLETION_PARAMS) from None
+    request_id, response_id = request_id_of(request, "cmpl")
+    call = Call(ctx, request_id, tenant, COMPLETION_PARAMS)
+    plan = _Plan(response_id, int(time.time()), params.n, body.logprobs, echo, is_echo_only)
+    await call.open(prompts, params, body.priority, body.cache_salt)
+    headers = {"x-request-id": request_id}
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return call.event_stream(_events(ctx, call, plan, include_usage), headers)
+    finals = await call.finals(request)
+    if finals is None:
+        return Response(status_code=499)  # nobody reads it; the requests are aborted
+    choices = []
+    for prompt_index, (final, stream) in enumerate(zip(finals, call.streams)):
+        prompt_text = await _prompt_text(ctx, stream.prompt, stream.prompt_token_ids, echo)
+        for completion in final.outputs:
+            index = prompt_index * plan.num_samples + completion.index
+            choices.append(await _choice(ctx, plan, index, final, completion, prompt_text))
+    response = protocol.Completion(
+        id=response_id,
+        created=plan.created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=call.usage(0 if is_echo_only else None),
+    )
+    return Response(response.model_dump_json(), media_type="application/json", headers=headers)
+
+
+async def _prompt_text(ctx: HttpContext, text: str | None, token_ids: list[int], echo: bool) -> str:
+    if not echo:
+        return ""
+    if text is not None:
+        return text
+    return await ctx.engine.detokenize(token_ids, skip_special_tokens=False)
+
+
+async def _choice(
+    ctx: HttpContext,
+    plan: _Plan,
+    index: int,
+    final: RequestOutput,
+    completion: CompletionOutput,
+    prompt_text: str,
+) -> protocol.CompletionChoice:
+    """One choice of a whole (not streamed) response."""
+    token_ids: list[int] = []
+    entries: list[Logprobs | None] = []
+    if plan.echo:
+        token_ids += final.prompt_token_ids
+        entries += final.prompt_logprobs or [None] * len(final.prompt_token_ids)
+    text = prompt_text
+    if not plan.is_echo_only:
+        text += completion.text
+        token_ids += completion.token_ids
+        entries += completion.logprobs or []
+    logprobs = None
+    if plan.num_top is not None:
+        logprobs = await completion_logprobs(ctx.texts, token_ids, entries, plan.num_top, 0)
+    return protocol.CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason="length" if plan.is_echo_only else finish_reason(completion.finish),
+        stop_reason=None if plan.is_echo_only else completion.stop_reason,
+    )
+
+
+async def _events(
+    ctx: HttpContext, call: Call, plan: _Plan, include_usage: bool
+) -> AsyncGenerator[str, None]:
+    """The SSE frames of a streamed completion: a chunk per choice per output, the usage
+    chunk when asked for, then [DONE]; a failure midway is an error frame before [DONE]."""
+    heartbeat_s = ctx.state.options.heartbeat_interval
+    try:
+        while not call.is_done:
+            ready = await call.next_outputs(heartbeat_s)
+            if not ready:
+                yield sse.KEEPALIVE
+            for prompt_index, out in ready:
+                if out.prompt_logprobs is not None:
+                    plan.prompt_logprobs[prompt_index] = out.prompt_logprobs
+                for completion in out.outputs:
+                    choice = await _delta_choice(ctx, plan, prompt_index, out, completion)
+                    if choice is None:
+                        continue
+                    chunk = protocol.Completion(
+                        id=plan.response_id,
+                        created=plan.created,
+                        model=ctx.model_name,
+                        choices=[choice],
+                        usage=None,
+                    )
+                    yield sse.event(chunk, include_usage)
+        if include_usage:
+            chunk = protocol.Completion(
+                id=plan.response_id,
+                created=plan.created,
+                model=ctx.model_name,
+                choices=[],
+                usage=call.usage(0 if plan.is_echo_only else None),
+            )
+            yield sse.event(chunk, include_usage)
+    except Exception as exc:
+        call.ended_by = type(exc).__name__
+        yield sse.error_event(exc)
+    yield sse.DONE
+
+
+async def _delta_choice(
+    ctx: HttpContext,
+    plan: _Plan,
+    prompt_index: int,
+    out: RequestOutput,
+    completion: CompletionOutput,
+) -> protocol.CompletionChoice | None:
+    """The chunk of one choice for one DELTA output; None when it has nothing to say."""
+    index = prompt_index * plan.num_samples + completion.index
+    text = ""
+    token_ids: list[int] = []
+    entries: list[Logprobs | None] = []
+    if plan.echo and index not in plan.echoed:
+        plan.echoed.add(index)
+        prompt = await _prompt_text(ctx, out.prompt, out.prompt_token_ids, True)
+        text, token_ids = prompt, list(out.prompt_token_ids)
+        scores = plan.prompt_logprobs.get(prompt_index)
+        entries = list(scores or [None] * len(token_ids))
+    if not plan.is_echo_only:
+        text += completion.text
+        token_ids += completion.token_ids
+        entries += completion.logprobs or []
+    finish = completion.finish
+    # tokens without text yet (a character still incomplete) say something only as logprobs
+    if not text and finish is None and (plan.num_top is None or not token_ids):
+        return None
+    logprobs = None
+    if plan.num_top is not None:
+        offset = plan.offsets.get(index, 0)
+        logprobs = await completion_logprobs(ctx.texts, token_ids, entries, plan.num_top, offset)
+        plan.offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
+    if plan.is_echo_only and finish is not None:
+        return protocol.CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason="length"
+        )
+    return protocol.CompletionChoice(
+        index=index,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=finish_reason(finish),
+        stop_reason=completion.stop_reason,
+    )
