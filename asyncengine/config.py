@@ -68,6 +68,22 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks share the model, and how they find each other."""
+
+    tensor_parallel_size: int = 1
+    # torch.distributed's rendezvous ("tcp://host:port"); None: a free port on this host
+    distributed_init_method: str | None = None
+    num_nodes: int = 1  # ranks are split evenly over the nodes; node 0 runs the engine
+    # how long a rank waits in a step for another before the engine is declared dead
+    distributed_timeout_s: float = 120.0
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.num_nodes
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, derived once from `EngineArgs` and never mutated."""
 
@@ -75,6 +91,7 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
+    parallel_config: ParallelConfig = ParallelConfig()
 
 
 def _default_model() -> str:
@@ -99,8 +116,8 @@ class EngineArgs:
     - `disable_log_stats`: the engine logs no periodic stats (they are in `get_stats()` and
       the server's Prometheus metrics), so there is nothing to turn off.
     - `enable_chunked_prefill`: chunked prefill is always on; False is an error.
-    - `tensor_parallel_size`, `pipeline_parallel_size`: one device only for now; anything
-      but 1 is an error.
+    - `pipeline_parallel_size`: pipeline parallelism is not supported; anything but 1 is an
+      error. (`tensor_parallel_size` N > 1 splits the model over N ranks: asyncengine/distributed.)
     - `quantization`: quantized weights are not supported; anything but None is an error.
     """
 
@@ -127,6 +144,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # tensor parallelism beyond one host (see docs/operations.md): rendezvous, nodes, timeout
+    distributed_init_method: str | None = None
+    num_nodes: int = 1
+    distributed_timeout_s: float = 120.0
     quantization: str | None = None
     expected_concurrency: int | None = None
     # text prompts are measured before tokenizing; default: 32 bytes per token of max_model_len
@@ -157,9 +178,32 @@ class EngineArgs:
         _require(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
         _require(self.seed >= 0, "seed", ">= 0", self.seed)
         _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            _require(value == 1, name, "1 (one device: parallelism is not supported yet)", value)
+        tp = self.tensor_parallel_size
+        _require(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", ">= 1", tp)
+        _require(
+            self.num_nodes >= 1 and tp % self.num_nodes == 0,
+            "num_nodes",
+            f">= 1 and a divisor of tensor_parallel_size ({tp})",
+            self.num_nodes,
+        )
+        _require(
+            self.num_nodes == 1 or self.distributed_init_method is not None,
+            "distributed_init_method",
+            "tcp://LEADER_HOST:PORT when num_nodes > 1 (every node connects there)",
+            self.distributed_init_method,
+        )
+        _require(
+            self.distributed_timeout_s > 0,
+            "distributed_timeout_s",
+            "> 0 (seconds)",
+            self.distributed_timeout_s,
+        )
+        _require(
+            self.pipeline_parallel_size == 1,
+            "pipeline_parallel_size",
+            "1 (pipeline parallelism is not supported)",
+            self.pipeline_parallel_size,
+        )
         _require(
             self.enable_chunked_prefill is True,
             "enable_chunked_prefill",
@@ -232,11 +276,19 @@ class EngineArgs:
             max_prompt_bytes=self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * max_model_len,
         )
         backend = _resolve_attention_backend(self.attention_backend, device)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_init_method=self.distributed_init_method,
+            num_nodes=self.num_nodes,
+            distributed_timeout_s=self.distributed_timeout_s,
+        )
+        _check_tensor_parallel(parallel_config, hf_config, device)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(device=device, attention_backend=backend),
+            parallel_config=parallel_config,
         )
 
 
@@ -269,6 +321,27 @@ def _derive_max_model_len(hf_config: Any, requested: int | None) -> int:
             f"got {requested}"
         )
     return requested
+
+
+def _check_tensor_parallel(parallel: ParallelConfig, hf_config: Any, device: str) -> None:
+    """The model must split evenly over the ranks (KV heads may also be replicated)."""
+    tp = parallel.tensor_parallel_size
+    if tp == 1:
+        return
+    num_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_heads)
+    rule = f"a divisor of num_attention_heads ({num_heads}) and of intermediate_size "
+    rule += f"({hf_config.intermediate_size}), and a divisor or multiple of num_key_value_heads "
+    rule += f"({num_kv_heads}) (fewer KV heads than ranks are replicated)"
+    fits = num_heads % tp == 0 and int(hf_config.intermediate_size) % tp == 0
+    is_even = num_kv_heads % tp == 0 or tp % num_kv_heads == 0
+    _require(fits and is_even, "tensor_parallel_size", rule, tp)
+    if device == "cuda":
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+        rule = f"at most {num_gpus} ranks per node (one GPU each)"
+        _require(parallel.ranks_per_node <= num_gpus, "tensor_parallel_size", rule, tp)
 
 
 def _prefix_caching(requested: bool, hf_config: Any) -> bool:

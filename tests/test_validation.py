@@ -92,7 +92,10 @@ def test_sampling_params_defaults_and_normalisation() -> None:
         ("num_cpu_blocks_override", -1),
         ("preemption_mode", "drop"),
         ("attention_backend", "flash"),
-        ("tensor_parallel_size", 2),
+        ("tensor_parallel_size", 0),
+        ("tensor_parallel_size", 3),  # does not split 4 heads
+        ("num_nodes", 0),
+        ("distributed_timeout_s", 0),
         ("pipeline_parallel_size", 2),
         ("enable_chunked_prefill", False),
         ("quantization", "awq"),

@@ -88,6 +88,10 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); they also stop at exit."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer that text prompts are encoded with."""
         return self.llm_engine.tokenizer

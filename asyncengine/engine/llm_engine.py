@@ -74,7 +74,7 @@ class LLMEngine:
         self.vocab_size = int(model_config.hf_config.vocab_size)
         for warning in kv_sizing.practice_warnings(config):
             logger.warning("config_warning", **warning)
-        self.model_runner = model_runner or ModelRunner(config)
+        self.model_runner = model_runner or _default_runner(config)
         num_gpu_blocks, num_cpu_blocks = self.model_runner.determine_num_blocks()
         self.model_runner.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         cache = config.cache_config
@@ -206,6 +206,18 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def check_health(self) -> None:
+        """Raise if the model can no longer run (a tensor-parallel rank failed)."""
+        check = getattr(self.model_runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        """Stop the model runner's processes (tensor-parallel workers); idempotent."""
+        shutdown = getattr(self.model_runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     # -- the step ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -325,6 +337,15 @@ class LLMEngine:
             num_prefix_cache_queries=bm.num_cache_queries,
             num_prefix_cache_hits=bm.num_cache_hits,
         )
+
+
+def _default_runner(config: EngineConfig) -> ModelRunnerLike:
+    """One device: the model runner itself; N ranks: the driver of N-1 worker processes."""
+    if config.parallel_config.tensor_parallel_size == 1:
+        return ModelRunner(config)
+    from asyncengine.distributed.executor import TensorParallelExecutor
+
+    return TensorParallelExecutor(config)
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any) -> tuple[int, ...]:

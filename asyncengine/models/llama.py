@@ -3,6 +3,10 @@
 One implementation; the families differ only in flags read from the config: qkv bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, some Qwen), rope scaling (Llama 3).
 Projections are fused (qkv, gate+up) so each layer does fewer, larger matmuls.
+
+With tensor parallelism (`tp`), each rank holds a Megatron shard: its query heads and their KV
+heads (replicated when there are fewer KV heads than ranks), its share of the MLP, and its
+rows of the vocabulary (models/tp_layers.py); the KV cache then holds only its KV heads.
 """
 
 from __future__ import annotations
@@ -14,6 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncengine.distributed.parallel_state import TensorParallelGroup
+from asyncengine.models.tp_layers import (
+    Shard,
+    WeightSource,
+    lm_head,
+    row_parallel_linear,
+    vocab_parallel_embedding,
+    vocab_shard,
+)
 from asyncengine.worker.attention import Attention
 
 
@@ -66,17 +79,35 @@ def _rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.num_heads: int
+        self.num_kv_heads: int
+        first_head, self.num_heads = (0, total_heads) if tp is None else tp.split(total_heads)
+        first_kv, self.num_kv_heads = (
+            (0, total_kv_heads) if tp is None else tp.kv_heads(total_kv_heads)
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        # the checkpoint rows (q, k, v) and o_proj columns of this rank's heads
+        self.q_shard = Shard(0, first_head * self.head_dim, self.q_size)
+        self.kv_shard = Shard(0, first_kv * self.head_dim, self.kv_size)
+        self.o_shard = Shard(1, first_head * self.head_dim, self.q_size)
         has_bias = bool(getattr(config, "attention_bias", False)) or _family(config) == "qwen2"
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=has_bias)
         o_bias = bool(getattr(config, "attention_bias", False)) and _family(config) != "qwen2"
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = row_parallel_linear(
+            total_heads * self.head_dim, config.hidden_size, o_bias, tp
+        )
         self.has_qk_norm = _family(config) == "qwen3"
         if self.has_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -104,12 +135,17 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        total = config.intermediate_size
+        self.intermediate_size: int
+        start, self.intermediate_size = (0, total) if tp is None else tp.split(total)
+        # the checkpoint rows (gate, up) and down_proj columns of this rank's share
+        self.gate_up_shard = Shard(0, start, self.intermediate_size)
+        self.down_shard = Shard(1, start, self.intermediate_size)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = row_parallel_linear(total, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -117,10 +153,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: Any, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallelGroup | None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, rotary, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -130,15 +168,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = vocab_parallel_embedding(config.vocab_size, config.hidden_size, tp)
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
         rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -149,24 +187,19 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-# HF checkpoint name -> (our fused parameter, which shard)
-_STACKED = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
-
-
 class LlamaForCausalLM(nn.Module):
-    """A causal LM over the flattened batch: `forward(input_ids, positions) -> hidden states`."""
+    """A causal LM over the flattened batch: `forward(input_ids, positions) -> hidden states`.
 
-    def __init__(self, config: Any) -> None:
+    Under tensor parallelism `compute_logits` is a collective: every rank calls it with the
+    same rows, and the driver (rank 0) gets the whole vocabulary's logits.
+    """
+
+    def __init__(self, config: Any, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, tp)
+        self.lm_head = lm_head(config.hidden_size, config.vocab_size, tp)
+        self.vocab_shard = vocab_shard(config.vocab_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -176,19 +209,24 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in, fusing q/k/v and gate/up; fail on anything missing."""
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> None:
+        """Copy checkpoint tensors in, fusing q/k/v and gate/up; fail on anything missing.
+
+        Each source is read only where this rank's shard lies (a safetensors slice reads
+        just those bytes).
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, source in weights:
             if "rotary_emb" in name:
                 continue
-            target, offset, size = self._locate(name, tensor)
+            target, offset, shard = self._locate(name)
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
                 )
-            params[target].data.narrow(0, offset, size).copy_(tensor)
+            tensor = shard.read(source)
+            params[target].data.narrow(0, offset, tensor.shape[0]).copy_(tensor)
             loaded.add(target)
         if getattr(self.config, "tie_word_embeddings", False):
             loaded.add("lm_head.weight")
@@ -196,17 +234,28 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
 
-    def _locate(self, name: str, tensor: torch.Tensor) -> tuple[str, int, int]:
-        for hf_name, (fused, shard) in _STACKED.items():
+    def _locate(self, name: str) -> tuple[str, int, Shard]:
+        """Our parameter for a checkpoint tensor, the row it starts at there, and the part
+        of the checkpoint tensor this rank holds."""
+        attn: LlamaAttention = self.model.layers[0].self_attn  # type: ignore[assignment]
+        mlp: LlamaMLP = self.model.layers[0].mlp  # type: ignore[assignment]
+        fused = {
+            "q_proj": ("qkv_proj", 0, attn.q_shard),
+            "k_proj": ("qkv_proj", attn.q_size, attn.kv_shard),
+            "v_proj": ("qkv_proj", attn.q_size + attn.kv_size, attn.kv_shard),
+            "gate_proj": ("gate_up_proj", 0, mlp.gate_up_shard),
+            "up_proj": ("gate_up_proj", mlp.intermediate_size, mlp.gate_up_shard),
+        }
+        for hf_name, (target, offset, shard) in fused.items():
             if f".{hf_name}." in name:
-                attn: LlamaAttention = self.model.layers[0].self_attn  # type: ignore[assignment]
-                sizes: list[int] = (
-                    [attn.q_size, attn.kv_size, attn.kv_size]
-                    if fused == "qkv_proj"
-                    else [self.config.intermediate_size] * 2
-                )
-                return name.replace(hf_name, fused), sum(sizes[:shard]), sizes[shard]
-        return name, 0, int(tensor.shape[0])
+                return name.replace(hf_name, target), offset, shard
+        if name.endswith("o_proj.weight"):
+            return name, 0, attn.o_shard
+        if name.endswith("down_proj.weight"):
+            return name, 0, mlp.down_shard
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            return name, 0, self.vocab_shard
+        return name, 0, Shard()
 
 
 def _family(config: Any) -> str:

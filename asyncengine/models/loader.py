@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncengine.distributed.parallel_state import TensorParallelGroup
+
 
 def resolve_model_path(model: str) -> str:
     """A local directory as is; else a Hugging Face hub id, fetched when a network exists."""
@@ -40,7 +42,8 @@ def load_hf_config(model_path: str) -> Any:
     return AutoConfig.from_pretrained(model_path)
 
 
-def _iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) per checkpoint tensor: the model reads only the part it holds."""
     from safetensors import safe_open
 
     files = sorted(Path(model_path).glob("*.safetensors"))
@@ -49,11 +52,12 @@ def _iter_safetensors(model_path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
-def get_model(model_config: Any, device: str) -> nn.Module:
-    """Build the model named by the config's architecture and load its weights."""
+def get_model(model_config: Any, device: str, tp: TensorParallelGroup | None = None) -> nn.Module:
+    """Build the model named by the config's architecture and load its weights (this rank's
+    shard of them under tensor parallelism)."""
     from asyncengine.models.registry import get_model_class
 
     hf_config = model_config.hf_config
@@ -63,7 +67,7 @@ def get_model(model_config: Any, device: str) -> nn.Module:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(hf_config)
+            model = model_cls(hf_config, tp=tp)
     finally:
         torch.set_default_dtype(default_dtype)
     model.load_weights(_iter_safetensors(model_config.model))  # type: ignore[operator]

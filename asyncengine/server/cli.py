@@ -37,6 +37,14 @@ ENGINE_ARG_HELP = {
     "if max_num_seqs is far from 1.2-1.5x it (default: no check)",
     "max_prompt_bytes": "a text prompt longer than this many UTF-8 bytes is refused before it "
     "is tokenized (default: 32 per token of max_model_len)",
+    "tensor_parallel_size": "split the model over this many ranks (GPUs, or CPU processes), "
+    "Megatron-style over torch.distributed (default: %(default)s)",
+    "distributed_init_method": "tensor parallelism's rendezvous, tcp://HOST:PORT on the leader "
+    "(needed with --num-nodes > 1; default: a free port on this host)",
+    "num_nodes": "nodes the tensor-parallel ranks are split over; node 0 runs the engine, the "
+    "others run `asyncengine worker --node-rank K` with the same flags (default: %(default)s)",
+    "distributed_timeout_s": "seconds a rank waits for another inside a step before the engine "
+    "is declared dead (default: %(default)s)",
 }
 
 
@@ -109,7 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     add_engine_args(serve)
     serve.add_argument("--log-level", default=argparse.SUPPRESS, help=log_level_help)
+    worker = sub.add_parser(
+        "worker",
+        help="run one node's tensor-parallel ranks for an engine on another node",
+        description="Start this node's ranks of a tensor-parallel engine whose leader (node 0) "
+        "runs `asyncengine serve`, and wait for them: exits 0 when the leader shuts them down, "
+        "1 when a rank fails. Give the same engine flags as the leader, plus --node-rank.",
+    )
+    worker.add_argument("--node-rank", type=int, required=True, help="this node: 1..num_nodes-1")
+    add_engine_args(worker)
+    worker.add_argument("--log-level", default=argparse.SUPPRESS, help=log_level_help)
     return parser
+
+
+def _worker(ns: argparse.Namespace) -> int:
+    from asyncengine.distributed.worker import run_node
+
+    return run_node(engine_args_from(ns).create_engine_config(), ns.node_rank)
 
 
 def main(argv: list[str] | None = None, make_engine: EngineFactory | None = None) -> int:
@@ -117,8 +141,10 @@ def main(argv: list[str] | None = None, make_engine: EngineFactory | None = None
     `AsyncLLMEngine.from_engine_args` (`python -m asyncengine.testing serve` uses it)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    configure_logging(ns.log_level or ("INFO" if ns.command == "serve" else "WARNING"))
+    configure_logging(ns.log_level or ("WARNING" if ns.command == "generate" else "INFO"))
     try:
+        if ns.command == "worker":
+            return _worker(ns)
         return _serve(ns, make_engine) if ns.command == "serve" else _generate(ns)
     except (ValueError, OSError) as exc:
         parser.exit(2, f"asyncengine: error: {exc}\n")

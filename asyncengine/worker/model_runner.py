@@ -10,6 +10,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.scheduler import SchedulerOutput
+from asyncengine.distributed.parallel_state import TensorParallelGroup
 from asyncengine.logging import get_logger
 from asyncengine.models.loader import get_model
 from asyncengine.outputs import Logprobs
@@ -59,9 +60,13 @@ class _BatchInputs:
 
 
 class ModelRunner:
-    """Owns the model, the KV cache tensors and the sampler on one device."""
+    """Owns the model, the KV cache tensors and the sampler on one device.
 
-    def __init__(self, config: EngineConfig) -> None:
+    Under tensor parallelism (`tp`) each rank has one, over its shard of the model and of the
+    KV cache; asyncengine/distributed drives the others from the driver's.
+    """
+
+    def __init__(self, config: EngineConfig, tp: TensorParallelGroup | None = None) -> None:
         self.config = config
         self.device = config.device_config.device
         self.dtype: torch.dtype = getattr(torch, config.model_config.dtype)
@@ -73,7 +78,7 @@ class ModelRunner:
             reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
             self._baseline = (int(free), int(total), reserved, allocated)
         torch.manual_seed(config.model_config.seed)
-        model: Any = get_model(config.model_config, self.device)
+        model: Any = get_model(config.model_config, self.device, tp)
         set_attention_backend(model, config.device_config.attention_backend)
         self.model = model
         attn = model.model.layers[0].self_attn

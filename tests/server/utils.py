@@ -51,6 +51,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         root_cert: bytes | None = None,
         client_cert: tuple[bytes, bytes] | None = None,  # (key, cert)
+        start_new_session: bool = False,  # its own process group, for a Ctrl-C to the group
     ) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
@@ -68,6 +69,7 @@ class ServerProcess:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+            start_new_session=start_new_session,
         )
 
     def channel(self, *, secure: bool | None = None, **kwargs: Any) -> grpc.Channel:

@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: process groups, worker processes, the driver."""
