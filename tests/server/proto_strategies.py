@@ -68,6 +68,13 @@ def field_path_exists(descriptor: Descriptor, path: str) -> bool:
     return last in descriptor.fields_by_name or last in descriptor.oneofs_by_name
 
 
+def literal(msg: Message) -> str:
+    """`msg` as a Python expression that rebuilds it, short even for huge repeated fields and
+    long strings (`stop=['a'] * 5000`, `text='양' * 32768`): for failure reports."""
+    fields = ", ".join(f"{f.name}={_literal(f, v)}" for f, v in msg.ListFields())
+    return f"{msg.DESCRIPTOR.name}({fields})"
+
+
 def weighted(*pairs: tuple[int, st.SearchStrategy[Any]]) -> st.SearchStrategy[Any]:
     """One of the strategies, each drawn about `weight` times as often.
 
@@ -285,6 +292,44 @@ def _assign(msg: Message, field: FieldDescriptor, value: Any) -> None:
         getattr(msg, field.name).CopyFrom(value)
     else:
         setattr(msg, field.name, value)
+
+
+def _literal(field: FieldDescriptor, value: Any) -> str:
+    if not field.is_repeated:
+        return _scalar_literal(value)
+    runs: list[list[Any]] = []  # runs of equal items
+    for item in value:
+        if runs and runs[-1][0] == item:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    parts: list[str] = []
+    loose: list[Any] = []  # the items of short runs, written out one by one
+    for run in [*runs, []]:
+        if len(run) > 2 or not run:
+            if loose:
+                parts.append(f"[{', '.join(map(_scalar_literal, loose))}]")
+                loose = []
+            if run:
+                parts.append(f"[{_scalar_literal(run[0])}] * {len(run)}")
+        else:
+            loose += run
+    return " + ".join(parts) or "[]"
+
+
+def _scalar_literal(value: Any) -> str:
+    if isinstance(value, Message):
+        return literal(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"float('{value}')"
+    if isinstance(value, str) and len(value) > 80:
+        for period in range(1, 17):  # the long strings drawn repeat a short unit
+            count, rest = divmod(len(value), period)
+            if value == value[:period] * count + value[:rest]:
+                return f"{value[:period]!r} * {count}" + (f" + {value[:rest]!r}" if rest else "")
+        if len(value) > 2000:  # rare: only a shrunk long string has no short unit
+            return f"{value[:500]!r} + '<{len(value) - 500} more characters cut>'"
+    return repr(value)
 
 
 def _within_budget(items: list[Any]) -> list[Any]:

@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import text_format
 from google.protobuf.descriptor import Descriptor, MethodDescriptor
 from google.protobuf.message import Message
 from google.rpc import error_details_pb2
@@ -34,6 +33,7 @@ from .proto_strategies import (
     Limits,
     Strategies,
     field_path_exists,
+    literal,
     token_id_values,
     weighted,
 )
@@ -73,17 +73,14 @@ class StopFuzzing(BaseException):
 
 
 class Call:
-    """One RPC to make; its repr is the request in text format (cut short past 2,000 chars)."""
+    """One RPC to make; its repr is the request as a Python expression (see `literal`)."""
 
     def __init__(self, method: MethodDescriptor, request: Message) -> None:
         self.method = method
         self.request = request
 
     def __repr__(self) -> str:
-        text = text_format.MessageToString(self.request, as_one_line=True, as_utf8=True)
-        if len(text) > 2000:
-            text = f"{text[:2000]}... ({len(text)} chars)"
-        return f"{self.method.name}({text!r})"
+        return f"{self.method.name}({literal(self.request)})"
 
 
 @dataclass
