@@ -175,8 +175,8 @@ async def closed_loop(
 
 
 async def one_http_request(client: Any, model: str, prompt: list[int], max_tokens: int) -> Sample:
-    """One streamed completion read as SSE lines and json.loads (the `openai` client's own
-    parsing costs about 1 ms per chunk here, so it would measure the client, not HTTP)."""
+    """One streamed completion read as SSE lines and json.loads: what the protocol costs, less
+    the `openai` client's typed objects per chunk (one_openai_request)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
