@@ -9,7 +9,9 @@ random Llama (CPU, gloo), warms up, then generates the same greedy requests. Per
   load-time peak is about 1/N);
 - the driver's broadcast per step: the time and bytes of announcing each forward (block moves,
   inputs and attention metadata) and each logits gather's rows to the workers. The time
-  includes any wait for a worker to reach its receive, so it is an upper bound of the cost.
+  includes any wait for a worker to reach its receive, so it is an upper bound of the cost;
+- the forward's own collectives per step (two all_reduces per layer, one for the embedding,
+  the logits gather), timed on the driver, waits for the other rank included.
 
 On a machine with few cores, N=2 is slower than N=1: the ranks share the same cores, and each
 layer adds two all_reduces. Tensor parallelism pays where each rank has a device of its own.
@@ -83,6 +85,29 @@ class BroadcastTimer:
         return counted
 
 
+class CollectiveTimer:
+    """Times the forward's collectives on the driver (all_reduce, the logits gather): their
+    own cost plus any wait for the slower rank."""
+
+    def __init__(self) -> None:
+        from asyncengine.distributed.parallel_state import TensorParallelGroup
+
+        self.seconds = 0.0
+        self.num_calls = 0
+        for name in ("all_reduce", "gather_to_driver"):
+            setattr(TensorParallelGroup, name, self._timed(getattr(TensorParallelGroup, name)))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(group: Any, tensor: torch.Tensor) -> torch.Tensor:
+            started = time.perf_counter()
+            out = method(group, tensor)
+            self.seconds += time.perf_counter() - started
+            self.num_calls += 1
+            return out
+
+        return timed
+
+
 def run_one(ns: argparse.Namespace) -> dict[str, Any]:
     """One N, in this process (the parent runs each N in a fresh one)."""
     from asyncengine import LLM, SamplingParams
@@ -94,16 +119,18 @@ def run_one(ns: argparse.Namespace) -> dict[str, Any]:
         model=ns.model, dtype="float32", device="cpu", max_num_seqs=ns.num_requests,
         tensor_parallel_size=ns.one, enable_prefix_caching=False,
     )  # fmt: skip
-    executor = llm.llm_engine.model_runner
+    executor: Any = llm.llm_engine.model_runner
     runner = executor if ns.one == 1 else executor.runner
     pids = [] if ns.one == 1 else executor.worker_pids
     at_load = [peak_rss_mib()[1], *(peak_rss_mib(pid)[1] for pid in pids)]
     timer = BroadcastTimer(executor.channel) if ns.one > 1 else None
+    collectives = CollectiveTimer() if ns.one > 1 else None
     prompts = [[(7 * i + 13 * j) % 2000 + 3 for j in range(ns.prompt_len)] for i in range(64)]
     params = SamplingParams(temperature=0, max_tokens=ns.output_len, ignore_eos=True)
     llm.generate(prompts[-4:], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    if timer is not None:
-        timer.reset()  # count the timed run only
+    if timer is not None and collectives is not None:  # count the timed run only
+        timer.reset()
+        collectives.seconds, collectives.num_calls = 0.0, 0
     started = time.perf_counter()
     outs = llm.generate(prompts[: ns.num_requests], params, use_tqdm=False)
     seconds = time.perf_counter() - started
@@ -121,8 +148,10 @@ def run_one(ns: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_mib_after_load": [round(m) for m in at_load],
         "peak_rss_mib_at_end": [round(m) for m in at_end],
     }
-    if timer is not None:
+    if timer is not None and collectives is not None:
         steps = max(timer.num_calls["send_step"], 1)
+        result["collectives_per_step"] = round(collectives.num_calls / steps, 1)
+        result["collectives_ms_per_step"] = round(1e3 * collectives.seconds / steps, 2)
         result["steps"] = timer.num_calls["send_step"]
         result["step_ms"] = round(1e3 * seconds / steps, 2)
         result["broadcast_us_per_step"] = round(1e6 * sum(timer.seconds.values()) / steps, 1)
@@ -175,6 +204,7 @@ def main() -> None:
                ("weights MiB/rank", "weights_mib_per_rank"),
                ("KV MiB/rank", "kv_cache_mib_per_rank"),
                ("peak RSS MiB after load", "peak_rss_mib_after_load"),
+               ("collectives ms/step", "collectives_ms_per_step"),
                ("broadcast us/step", "broadcast_us_per_step"),
                ("broadcasts/step", "broadcasts_per_step"),
                ("bytes/step", "broadcast_bytes_per_step")]  # fmt: skip

@@ -317,3 +317,52 @@ def test_a_node_started_with_other_flags_is_refused(model_dir: ModelDirFactory) 
         make_llm(path, tensor_parallel_size=2, num_nodes=2, distributed_init_method=init_method)
     _, err = node.communicate(timeout=60)
     assert node.returncode == 1, err[-3000:]
+
+
+def test_one_rank_builds_the_plain_modules_and_no_process_group(model_dir: ModelDirFactory) -> None:
+    # N=1 runs no parallel code at all: the same nn modules as before tensor parallelism
+    import torch.distributed as dist
+    from torch import nn
+
+    from asyncengine.models import tp_layers
+    from asyncengine.worker.model_runner import ModelRunner
+
+    llm = make_llm(model_dir("qwen3"))
+    runner = llm.llm_engine.model_runner
+    assert type(runner) is ModelRunner and not dist.is_initialized()
+    parallel = (
+        tp_layers.RowParallelLinear,
+        tp_layers.VocabParallelEmbedding,
+        tp_layers.ParallelLMHead,
+    )
+    assert not any(isinstance(m, parallel) for m in runner.model.modules())
+    assert type(runner.model.model.embed_tokens) is nn.Embedding
+
+
+def test_the_leaderworkerset_example_gives_every_node_the_same_engine_flags() -> None:
+    import yaml
+
+    from asyncengine.server.cli import build_parser, engine_args_from
+
+    path = Path(__file__).parents[1] / "deploy/kubernetes/tensor-parallel/leaderworkerset.yaml"
+    spec = yaml.safe_load(path.read_text())["spec"]["leaderWorkerTemplate"]
+    env = {"$(LWS_LEADER_ADDRESS)": "leader.example", "$(LWS_WORKER_INDEX)": "1"}
+
+    def parsed(template: dict[str, Any], command: str) -> tuple[Any, dict[str, Any]]:
+        (container,) = template["spec"]["containers"]
+        args = []
+        for arg in container["args"]:
+            for name, value in env.items():
+                arg = arg.replace(name, value)
+            args.append(arg)
+        return build_parser().parse_args([command, *args]), container
+
+    leader, leader_container = parsed(spec["leaderTemplate"], "serve")
+    worker, worker_container = parsed(spec["workerTemplate"], "worker")
+    assert worker_container["command"] == ["asyncengine", "worker"] and worker.node_rank == 1
+    assert engine_args_from(leader) == engine_args_from(worker)
+    args = engine_args_from(leader)
+    assert args.num_nodes == spec["size"]
+    gpus = int(leader_container["resources"]["limits"]["nvidia.com/gpu"])
+    assert args.tensor_parallel_size == gpus * spec["size"]
+    assert args.distributed_init_method == "tcp://leader.example:29500"

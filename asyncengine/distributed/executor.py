@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from asyncengine.config import EngineConfig
 from asyncengine.core.scheduler import SchedulerOutput
@@ -62,6 +63,11 @@ class TensorParallelExecutor:
         self.config = config
         parallel = config.parallel_config
         device = config.device_config.device
+        if dist.is_initialized():  # torch.distributed has one default group per process
+            raise RuntimeError(
+                "a tensor-parallel engine already runs in this process: shut it down first "
+                "(LLM.shutdown(), await AsyncLLMEngine.shutdown())"
+            )
         init_method = parallel.distributed_init_method or free_init_method()
         self._lock = threading.Lock()  # one user of the collectives at a time
         self._failure: TensorParallelError | None = None
