@@ -145,7 +145,11 @@ def test_fuzz_every_request_field(server: ServerProcess) -> None:
                     _check(call, outcome, limits, max_admitted)
             except AssertionError as exc:
                 report = "\n".join(
-                    [*ends, f"{type(exc).__name__}: {exc}", _log_since(server, log_start)]
+                    [
+                        *ends,
+                        f"{type(exc).__name__}: {str(exc)[:3000]}",
+                        _log_since(server, log_start),
+                    ]
                 )
                 note(report)
                 smallest.record(calls, report)
