@@ -117,6 +117,42 @@ def test_tp2_greedy_equals_hf_and_tp1(
     assert wait_gone(pids) == []
 
 
+def test_tp2_forks_copy_blocks_and_prompt_logprobs_match_tp1(model_dir: ModelDirFactory) -> None:
+    # n=2 forks a request's blocks, and its samples' first writes copy the shared last block
+    # (copy-on-write, a block move every rank applies); prompt logprobs add a logits call for
+    # the prompt's rows to the sampling one, each a gather of every rank's vocabulary slice
+    path = model_dir("llama")
+    forked = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    prompts = HF_PROMPTS[:6]
+    single = make_llm(path)
+    expected = single.generate(prompts, forked, use_tqdm=False)
+    expected_scores = single.generate(HF_PROMPTS[4], scored, use_tqdm=False)[0]
+    llm = make_llm(path, tensor_parallel_size=2)
+    executor, copies = llm.llm_engine.model_runner, []
+    execute = executor.execute_model
+
+    def recording(plan: Any, *args: Any) -> Any:
+        copies.extend(plan.blocks_to_copy)
+        return execute(plan, *args)
+
+    executor.execute_model = recording
+    try:
+        outs = llm.generate(prompts, forked, use_tqdm=False)
+        got_scores = llm.generate(HF_PROMPTS[4], scored, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert copies, "no copy-on-write block copy ran"
+    tokens = [[c.token_ids for c in o.outputs] for o in outs]
+    assert tokens == [[c.token_ids for c in o.outputs] for o in expected]
+    assert got_scores.outputs[0].token_ids == expected_scores.outputs[0].token_ids
+    assert expected_scores.prompt_logprobs is not None and got_scores.prompt_logprobs is not None
+    assert len(got_scores.prompt_logprobs) == len(expected_scores.prompt_logprobs) > 200
+    for got, want in zip(got_scores.prompt_logprobs[1:], expected_scores.prompt_logprobs[1:]):
+        assert got is not None and want is not None and got.keys() == want.keys()
+        assert all(abs(got[t] - want[t]) < 1e-4 for t in want)
+
+
 def test_nodes_must_split_the_ranks_and_know_the_leader(model_dir: ModelDirFactory) -> None:
     args = EngineArgs(model=str(model_dir("llama")), tensor_parallel_size=2, num_nodes=3)
     with pytest.raises(ValueError, match=r"EngineArgs\.num_nodes"):
