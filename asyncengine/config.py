@@ -391,12 +391,41 @@ def _resolve_attention_backend(backend: str, device: str) -> Literal["torch", "t
 def _resolve_dtype(dtype: str, hf_config: Any, device: str) -> str:
     if dtype != "auto":
         return dtype
-    # CPUs run half precision slowly and imprecisely; keep float32 there.
     if device == "cpu":
-        return "float32"
+        # bf16 where the CPU multiplies it natively (~5-10x the fp32 GEMM rate); elsewhere
+        # torch emulates it, slower than float32, and float16 is slow on nearly every CPU
+        flag = cpu_bf16_flag()
+        chosen = "bfloat16" if flag else "float32"
+        reason = f"the CPU has {flag}" if flag else "the CPU has neither amx_bf16 nor avx512_bf16"
+        from asyncengine.logging import get_logger
+
+        get_logger(__name__).info("dtype_auto", dtype=chosen, device=device, reason=reason)
+        return chosen
     config_dtype = str(getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", ""))
     config_dtype = config_dtype.removeprefix("torch.")
     return config_dtype if config_dtype in ("float16", "bfloat16") else "bfloat16"
+
+
+def cpu_bf16_flag(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU feature that multiplies bfloat16 natively ("amx_bf16", "avx512_bf16"), or None.
+
+    Read from the kernel's flags; where there are none (not Linux), from torch's cpuinfo.
+    """
+    try:
+        with open(cpuinfo) as f:
+            flags_line = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags_line = ""
+    if flags_line:
+        flags = set(flags_line.partition(":")[2].split())
+        return next((f for f in ("amx_bf16", "avx512_bf16") if f in flags), None)
+    import torch
+
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "amx_bf16"  # every CPU with AMX tiles has AMX-BF16
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "avx512_bf16"
+    return None
 
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:

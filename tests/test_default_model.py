@@ -19,6 +19,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncengine import LLM, EngineArgs, RequestOutput, SamplingParams, default_model
+from asyncengine.config import cpu_bf16_flag
 from asyncengine.testing import HF_PROMPTS
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ def test_engine_args_default_to_the_bundled_model() -> None:
     assert (
         config.model_config.max_model_len == config.model_config.hf_config.max_position_embeddings
     )
-    assert config.model_config.dtype == "float32"  # auto on the CPU
+    # auto on the CPU: bf16 where the CPU multiplies it natively
+    assert config.model_config.dtype == ("bfloat16" if cpu_bf16_flag() else "float32")
 
 
 def test_bundled_files_are_a_small_half_precision_llama() -> None:

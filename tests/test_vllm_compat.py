@@ -10,6 +10,7 @@ import torch
 
 import asyncengine
 from asyncengine import LLM, EngineArgs, SamplingParams
+from asyncengine.config import cpu_bf16_flag
 from asyncengine.testing import CHAT_TEMPLATE
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,7 +56,12 @@ def test_everyday_vllm_arguments_are_accepted(model_dir) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "expected"),
-    [("half", "float16"), ("float", "float32"), (torch.bfloat16, "bfloat16"), ("auto", "float32")],
+    [
+        ("half", "float16"),
+        ("float", "float32"),
+        (torch.bfloat16, "bfloat16"),
+        ("auto", "bfloat16" if cpu_bf16_flag() else "float32"),
+    ],
 )
 def test_dtype_takes_vllms_and_torchs_names(model_dir, dtype: object, expected: str) -> None:
     args = EngineArgs(model=str(model_dir("llama")), device="cpu", dtype=dtype)  # type: ignore[arg-type]

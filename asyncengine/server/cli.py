@@ -19,7 +19,8 @@ ENGINE_ARG_HELP = {
     "model": "local Hugging Face model directory, or hub id where a network exists (default: "
     "the small model bundled with asyncengine)",
     "tokenizer": "tokenizer directory when it differs from --model",
-    "dtype": "weights and KV cache dtype: auto, float32, float16, bfloat16 (auto: float32 on CPU)",
+    "dtype": "weights and KV cache dtype: auto, float32, float16, bfloat16 (auto on a CPU: "
+    "bfloat16 where it multiplies bf16 natively, AMX-BF16 or AVX512-BF16, else float32)",
     "device": "auto, cuda or cpu",
     "seed": "seed of the engine's random state, for requests without a seed of their own",
     "block_size": "tokens per KV cache block: a power of two in [8, 1024]",
