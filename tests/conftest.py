@@ -39,6 +39,15 @@ def one_torch_thread() -> Iterator[None]:
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_ops_built() -> None:
+    """Build the CPU ops once, before any test: engines in subprocesses (served models) then
+    only load them, and no start-up waits on the compiler under a test's deadline."""
+    from asyncengine.worker import cpu_ops
+
+    cpu_ops.load()
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> ModelDirFactory:
     """`model_dir(family="llama", **config_overrides) -> Path`, built once per session per args."""

@@ -27,6 +27,7 @@ from asyncengine.models.tp_layers import (
     vocab_parallel_embedding,
     vocab_shard,
 )
+from asyncengine.worker import cpu_ops
 from asyncengine.worker.attention import Attention
 
 
@@ -37,6 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cpu and x.dim() == 2 and x.is_contiguous() and cpu_ops.is_loaded():
+            return cpu_ops.rms_norm(x, self.weight, self.eps)  # the same math in one pass
         # statistics in float32 whatever the dtype, as transformers does
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -57,6 +60,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, heads, head_dim]
+        if x.is_cpu and x.stride(-1) == 1 and cpu_ops.is_loaded():
+            return cpu_ops.rotary_embedding_(x, positions, self.cos, self.sin)  # in place
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
@@ -148,7 +153,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel_linear(total, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cpu and cpu_ops.is_loaded():
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

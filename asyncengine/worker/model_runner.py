@@ -18,6 +18,7 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
 from asyncengine.worker.attention import set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
+from asyncengine.worker.cpu_linear import pack_linear_layers
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
 from asyncengine.worker.sampler import FillGrammarMasks, Sampler, prompt_logprobs
 
@@ -80,6 +81,8 @@ class ModelRunner:
         torch.manual_seed(config.model_config.seed)
         model: Any = get_model(config.model_config, self.device, tp)
         set_attention_backend(model, config.device_config.attention_backend)
+        if self.device == "cpu":
+            pack_linear_layers(model)
         self.model = model
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)

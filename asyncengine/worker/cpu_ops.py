@@ -1,0 +1,223 @@
+"""C++ ops for the CPU path, compiled on first use and cached: paged decode attention, and the
+decoder's pointwise layers in one pass each (RMSNorm, rotary embedding, SiLU-and-multiply).
+
+The sources (csrc/) are built once per machine, torch version and source with the host's C++
+compiler for the host's CPU (-march=native), into a cache directory; later starts only load
+the library. Without a compiler, or with ASYNCENGINE_CPU_OPS=0, `load()` returns False and every
+caller keeps its plain-torch code. The build time is logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from asyncengine.logging import get_logger
+
+logger = get_logger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "pointwise.cpp")
+HEADERS = (CSRC / "cpu_common.h",)
+# reassociation lets the compiler vectorize the dot products' sums; no finite-math-only, since
+# the softmax starts from -inf
+CFLAGS = (
+    "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+    "-fassociative-math", "-fno-signed-zeros", "-std=c++17",
+)  # fmt: skip
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet in this process
+
+
+def load() -> bool:
+    """Build (first use on this machine: seconds) or load the ops; False where they cannot be."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+        return _loaded
+
+
+def is_loaded() -> bool:
+    """Whether `load()` has run and succeeded (never builds)."""
+    return bool(_loaded)
+
+
+def _load() -> bool:
+    if os.environ.get("ASYNCENGINE_CPU_OPS", "1") == "0":
+        logger.info("cpu_ops_disabled", reason="ASYNCENGINE_CPU_OPS=0", decode="plain torch")
+        return False
+    start = time.perf_counter()
+    try:
+        library, was_built = _build()
+        torch.ops.load_library(str(library))
+    except Exception as exc:  # no compiler, headers or write access: the torch path still runs
+        logger.warning(
+            "cpu_ops_unavailable",
+            reason=f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+            decode="plain torch",
+        )
+        return False
+    logger.info(
+        "cpu_ops_ready",
+        library=str(library),
+        was_built=was_built,
+        seconds=round(time.perf_counter() - start, 2),
+    )
+    return True
+
+
+def _build() -> tuple[Path, bool]:
+    """The compiled library in the cache (built now if absent) and whether it was built now."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    # -march=native code must never run on another CPU, so the CPU's flags are in the key
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                *(path.read_bytes() for path in (*SOURCES, *HEADERS)),
+                " ".join(CFLAGS).encode(),
+                torch.__version__.encode(),
+                compiler.encode(),
+                _cpu_flags().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "asyncengine"
+    library = cache / f"cpu_ops-{key}.so"
+    if library.exists():
+        return library, False
+    cache.mkdir(parents=True, exist_ok=True)
+    includes = [f"-I{p}" for p in include_paths()]
+    libs = [*(f"-L{p}" for p in library_paths()), *(f"-Wl,-rpath,{p}" for p in library_paths())]
+    # built beside its final name, then renamed: a concurrent build never sees half a file
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        compiles = [  # one process per source, at once: most of the time is torch's headers
+            subprocess.Popen(
+                [compiler, *CFLAGS, "-fPIC", "-c", str(source), *includes, "-o", str(obj)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for source, obj in zip(SOURCES, objects)
+        ]
+        errors = [job.communicate()[1] for job in compiles]
+        partial = Path(tmp) / library.name
+        if all(job.returncode == 0 for job in compiles):
+            link = [
+                compiler,
+                "-shared",
+                "-fopenmp",
+                *map(str, objects),
+                *libs,
+                "-lc10",
+                "-ltorch_cpu",
+            ]
+            result = subprocess.run([*link, "-o", str(partial)], capture_output=True, text=True)
+            errors.append(result.stderr if result.returncode else "")
+        if not partial.exists():
+            raise RuntimeError(f"{compiler} failed: {''.join(errors).strip()[-2000:]}")
+        os.replace(partial, library)
+    return library, True
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return sys.platform
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One new token per sequence over its paged K/V ([num_seqs, heads, dim] -> same).
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]; block_tables: [num_seqs,
+    max_blocks] int32; seq_lens: [num_seqs] int32, each counting the new token. With a window,
+    a sequence sees its last `sliding_window` tokens. Needs `load()` to have succeeded.
+    """
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError("query must be [seqs, heads, dim], kv_cache [2, blocks, bs, kvh, dim]")
+    if query.shape[1] % kv_cache.shape[3] or query.shape[2] != kv_cache.shape[4]:
+        raise ValueError("num_heads must be a multiple of num_kv_heads, head_dims must match")
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_cache.dtype}")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    query = query.contiguous()
+    out = torch.empty_like(query) if out is None else out
+    torch.ops.asyncengine.paged_decode_attention(
+        out, query, kv_cache, block_tables, seq_lens, scale, sliding_window or 0
+    )
+    return out
+
+
+def paged_decode_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Plain-torch `paged_decode_attention`: float32, one sequence and one head at a time."""
+    out = torch.empty_like(query)
+    group = query.shape[1] // kv_cache.shape[3]
+    block_size = kv_cache.shape[2]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, : -(-seq_len // block_size)].long()
+        key, value = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # [2, len, kv_heads, dim]
+        start = 0 if sliding_window is None else max(0, seq_len - sliding_window)
+        key, value = key[start:].float(), value[start:].float()  # [len, kv_heads, dim]
+        for head in range(query.shape[1]):
+            weights = torch.softmax(key[:, head // group] @ query[i, head].float() * scale, 0)
+            out[i, head] = (weights @ value[:, head // group]).to(query.dtype)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x * rsqrt(mean(x^2) + eps))` over the last dim of a contiguous [rows, dim]
+    `x`, in float32, rounded where transformers' LlamaRMSNorm rounds."""
+    out = torch.empty_like(x)
+    torch.ops.asyncengine.rms_norm(out, x, weight, eps)
+    return out
+
+
+def rotary_embedding_(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate [tokens, heads, head_dim] `x` in place (rotate-half layout); returns it.
+
+    cos, sin: float32 [max_positions, head_dim / 2]; `x` may be a view with strided rows.
+    """
+    torch.ops.asyncengine.rotary_embedding(x, positions, cos, sin)
+    return x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of a contiguous [rows, 2n] `x` holding gate then up: [rows, n]."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    torch.ops.asyncengine.silu_and_mul(out, x)
+    return out

@@ -1,0 +1,63 @@
+// Conversions and a vectorizable exp shared by the CPU ops (asyncengine/worker/cpu_ops.py).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace asyncengine_cpu {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // bf16 is the top half of a float
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// float -> T, rounding to nearest even as torch does; branch-free for bf16 so loops vectorize
+template <typename T>
+inline T from_float(float x) {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return c10::BFloat16(static_cast<uint16_t>(x != x ? 0x7FC0u : rounded),
+                       c10::BFloat16::from_bits());
+}
+
+// x rounded to T and back: where eager torch would store an intermediate in T
+template <typename T>
+inline float round_to(float x) {
+  return to_float(from_float<T>(x));
+}
+
+// exp(x) as 2^(x log2 e): 2^round(.) from the exponent bits, 2^fraction (in [-0.5, 0.5]) from a
+// degree-6 polynomial; x clamped to [-87, 88]; relative error ~1e-7. It vectorizes, where
+// std::exp (and std::floor, in GCC 12) do not, and would cost more than the rest of a loop.
+inline float fast_exp(float x) {
+  const float t = std::min(std::max(x, -87.0f), 88.0f) * 1.4426950408889634f;
+  const float whole = std::rint(t), f = t - whole;
+  float p = 1.5465312390e-04f;
+  p = p * f + 1.3395279800e-03f;
+  p = p * f + 9.6180399456e-03f;
+  p = p * f + 5.5503406807e-02f;
+  p = p * f + 2.4022651101e-01f;
+  p = p * f + 6.9314720006e-01f;
+  p = p * f + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(whole) * (1 << 23);  // times 2^whole
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
+}  // namespace asyncengine_cpu
