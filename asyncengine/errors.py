@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+MAX_DESCRIPTION_LEN = 1000
+
 
 class InvalidRequestError(ValueError):
     """The request itself is wrong (bad field, too long, can never fit): fix it, don't retry.
@@ -11,6 +13,8 @@ class InvalidRequestError(ValueError):
     """
 
     def __init__(self, field: str, description: str) -> None:
+        # bounded: an error travels in a status's metadata, which clients cap at 16 KiB
+        description = description[:MAX_DESCRIPTION_LEN]
         super().__init__(f"{field}: {description}")
         self.field = field
         self.description = description
@@ -20,7 +24,8 @@ class DuplicateRequestError(InvalidRequestError):
     """A request with this id is still in flight."""
 
     def __init__(self, request_id: str) -> None:
-        super().__init__("request_id", f"{request_id!r} is already in flight")
+        shown = request_id if len(request_id) <= 64 else request_id[:61] + "..."
+        super().__init__("request_id", f"{shown!r} is already in flight")
 
 
 class EngineOverloadedError(RuntimeError):

@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+_MAX_SHOWN = 120  # characters of a bad value an error message repeats
 # bounds on a constraint, measured before it is parsed or compiled
 MAX_CONSTRAINT_LEN = 64 * 1024  # characters of a schema, regex or grammar
 MAX_CHOICES = 256
@@ -232,7 +233,10 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        raise InvalidRequestError(name, f"{rule}, got {value!r}")
+        shown = repr(value)  # what the caller sent, never more than a line of it
+        if len(shown) > _MAX_SHOWN:
+            shown = shown[: _MAX_SHOWN - 3] + "..."
+        raise InvalidRequestError(name, f"{rule}, got {shown}")
 
 
 def _check_count(values: object, name: str, limit: int) -> None:

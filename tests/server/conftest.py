@@ -33,6 +33,8 @@ FRONT_FLAGS = (
 # name -> (flags, environment)
 SERVER_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "main": (MAIN_FLAGS, {}),
+    # the main server's flags, for the test that ends its server with SIGTERM
+    "sigterm": (MAIN_FLAGS, {}),
     # the test-only fault hook (python -m asyncengine.testing serve): the 150th step raises
     "fault": ((*FAULT_FLAGS, "--fault-after-steps", str(FAULT_AFTER_STEPS)), {}),
     "front": (FRONT_FLAGS, {}),

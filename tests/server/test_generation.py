@@ -493,8 +493,9 @@ def test_logs_are_json_lines_one_per_finished_request(server: ServerProcess) -> 
     assert {"time_to_first_token_s", "total_s", "preemptions", "prompt_tokens"} <= set(line)
 
 
-def test_sigterm_during_streaming_ends_streams_cleanly_and_exits_0(server: ServerProcess) -> None:
-    """Last in this module: it ends the shared server (grace period 1 s)."""
+def test_sigterm_during_streaming_ends_streams_cleanly_and_exits_0(server_pool: Any) -> None:
+    """On a server of its own (grace period 1 s): the SIGTERM ends it."""
+    server = server_pool["sigterm"]
 
     async def main() -> tuple[Any, ...]:
         async with server.aio_channel() as channel:
