@@ -162,7 +162,7 @@ def test_chat_errors_name_openai_fields(server: ServerThread) -> None:
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 0}, "n"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"messages": []}, "messages"),
     ]
     for overrides, param in cases:

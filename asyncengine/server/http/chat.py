@@ -86,8 +86,6 @@ async def create_chat_completion(
 ) -> Response:
     tenant = ctx.authorize(request)
     ctx.check_model(body.model)
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise UnsupportedParamError("response_format", "only {'type': 'text'} is supported yet")
     if body.tools:
         raise UnsupportedParamError("tools", "tool calling is not supported")
     if body.top_logprobs is not None and not body.logprobs:

@@ -3,12 +3,17 @@ errors, finish reasons and logprobs. No HTTP here and no checks of values: the e
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.errors import DuplicateRequestError, InvalidRequestError
 from asyncengine.outputs import FinishReason, Logprobs
-from asyncengine.sampling_params import RequestOutputKind, SamplingParams
+from asyncengine.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from asyncengine.server.http import protocol
 from asyncengine.server.http.errors import InvalidParamError
 
@@ -37,6 +42,8 @@ COMPLETION_PARAMS = {
     "logprobs": "logprobs",
     "prompt_logprobs": "logprobs",  # echo scores the prompt with the same k
     "skip_special_tokens": "skip_special_tokens",
+    # a constraint comes from response_format or structured_outputs: the engine names the
+    # latter's fields (structured_outputs.json, ...), which say what was wrong either way
 }
 CHAT_PARAMS = {
     **COMPLETION_PARAMS,
@@ -110,7 +117,42 @@ def sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
         output_kind=output_kind,
+        structured_outputs=structured_outputs(request),
     )
+
+
+def structured_outputs(
+    request: protocol.CompletionRequest | protocol.ChatRequest,
+) -> StructuredOutputsParams | None:
+    """The constraint of OpenAI's `response_format` (`json_schema`, `json_object`) or of
+    vLLM's `structured_outputs` extra (its fields as they are); at most one of the two."""
+    response_format, extra = request.response_format, request.structured_outputs or {}
+    kind = (response_format or {}).get("type", "text")
+    unknown = sorted(set(extra) - _STRUCTURED_FIELDS)
+    if unknown:
+        raise InvalidParamError("structured_outputs", f"unknown fields {unknown[:4]}")
+    # beside a response_format, structured_outputs may carry only its options (whitespace)
+    options = {k: v for k, v in extra.items() if k == "disable_any_whitespace"}
+    if kind == "text":
+        return StructuredOutputsParams(**extra) if extra else None
+    if len(options) != len(extra):
+        raise InvalidParamError("structured_outputs", "give response_format or this, not both")
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True, **options)
+    if kind == "json_schema":
+        json_schema = (response_format or {}).get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
+        if schema is None:
+            raise InvalidParamError(
+                "response_format.json_schema.schema", "a json_schema response format needs one"
+            )
+        return StructuredOutputsParams(json=schema, **options)
+    raise InvalidParamError(
+        "response_format.type", f"must be text, json_object or json_schema, got {kind!r}"
+    )
+
+
+_STRUCTURED_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
 
 
 def _or(value: float | None, default: float) -> float:

@@ -48,6 +48,9 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    # a constraint on the output: OpenAI's response_format, or vLLM's structured_outputs
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -77,7 +80,6 @@ class ChatRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None

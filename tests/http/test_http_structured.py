@@ -1,0 +1,110 @@
+"""Structured outputs over the OpenAI API: `response_format` (json_schema, json_object) and
+vLLM's `structured_outputs` extra body, through the official `openai` client. The model has
+random weights, so the constraint does all the work: every output must satisfy it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+from serving_http import ServerThread, http_server
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SCHEMA = {
+    "type": "object",
+    # bounded, so every sample ends: a string of at most 6 characters and a boolean
+    "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+    "additionalProperties": False,
+}
+# random weights fill JSON with whitespace without end: vLLM's option for compact JSON
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
+
+
+@pytest.fixture(scope="module")
+def server(chat_model: Path) -> Iterator[ServerThread]:
+    with http_server(chat_model) as served:
+        yield served
+        served.assert_nothing_left()
+
+
+def chat(server: ServerThread, n: int, **kwargs: object) -> list[tuple[str, str]]:
+    """(finish_reason, text) of each of `n` seeded samples."""
+    reply = server.client().chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "who are you?"}],
+        max_completion_tokens=200,
+        seed=3,
+        n=n,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    return [(c.finish_reason, c.message.content or "") for c in reply.choices]
+
+
+def test_a_json_schema_response_format_validates(server: ServerThread) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "who", "schema": SCHEMA}}
+    for finish, text in chat(server, 2, response_format=response_format, extra_body=COMPACT):
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_json_object_response_format_is_an_object(server: ServerThread) -> None:
+    samples = chat(server, 4, response_format={"type": "json_object"}, extra_body=COMPACT)
+    ended = [text for finish, text in samples if finish == "stop"]
+    assert ended  # random weights write long strings: not every sample ends within 200 tokens
+    for text in ended:
+        assert isinstance(json.loads(text), dict)
+
+
+def test_vllm_structured_outputs_choice_and_regex(server: ServerThread) -> None:
+    client = server.client()
+    choices = ["yes", "no", "maybe"]
+    picked = client.completions.create(
+        model=server.model,
+        prompt="Is it?",
+        max_tokens=8,
+        n=3,
+        seed=1,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert {c.text for c in picked.choices} <= set(choices)
+    matched = client.completions.create(
+        model=server.model,
+        prompt="A date:",
+        max_tokens=16,
+        seed=2,
+        extra_body={"structured_outputs": {"regex": r"\d{4}-\d{2}-\d{2}"}},
+    )
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", matched.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
+         "structured_outputs"),
+    ],
+)  # fmt: skip
+def test_a_bad_constraint_is_a_400_naming_it(
+    server: ServerThread, extra: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().chat.completions.create(
+            model=server.model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=4,
+            extra_body=extra,
+        )
+    assert refused.value.body["param"] == param  # type: ignore[index]
