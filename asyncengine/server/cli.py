@@ -143,11 +143,13 @@ def main(argv: list[str] | None = None, make_engine: EngineFactory | None = None
     parser = build_parser()
     ns = parser.parse_args(argv)
     configure_logging(ns.log_level or ("WARNING" if ns.command == "generate" else "INFO"))
+    from asyncengine.worker.kv_sizing import KVCacheSizingError
+
     try:
         if ns.command == "worker":
             return _worker(ns)
         return _serve(ns, make_engine) if ns.command == "serve" else _generate(ns)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, KVCacheSizingError) as exc:
         parser.exit(2, f"asyncengine: error: {exc}\n")
 
 

@@ -15,6 +15,11 @@ from typing import Any
 from asyncengine.config import EngineConfig, SchedulerConfig
 
 GiB = 1 << 30
+
+
+class KVCacheSizingError(RuntimeError):
+    """The memory budget cannot hold the KV cache the settings need; the message says which
+    setting to change (the CLI prints it as one line)."""
 # host memory that pinned swap blocks must leave to the process and the OS
 HOST_RESERVE_FRACTION = 0.1
 # device memory below this fraction left outside the budget starves the runtime (allocator
@@ -74,7 +79,8 @@ class MemoryBreakdown:
             "activation_measured": self.is_activation_measured,
             "non_torch_gib": gib(self.non_torch_bytes),
             "swap_in_budget_gib": gib(self.swap_bytes),
-            "kv_cache_gib": gib(max(self.kv_cache_bytes, 0)),
+            # what the budget leaves; the pools' own size (after any cap) is logged beside it
+            "kv_budget_gib": gib(max(self.kv_cache_bytes, 0)),
             "bytes_per_block": self.bytes_per_block,
         }
 
@@ -138,7 +144,7 @@ def check_one_request_fits(
     if num_blocks >= needed:
         return
     fits_len = num_blocks * block_size
-    raise RuntimeError(
+    raise KVCacheSizingError(
         f"the KV cache cannot hold one max_model_len ({max_model_len}) request: {num_blocks} "
         f"blocks of {block_size} tokens hold {fits_len} tokens, {needed} blocks are needed. "
         f"{breakdown.describe()}. Raise gpu_memory_utilization, lower max_model_len (to at "
@@ -165,7 +171,7 @@ def num_swap_blocks(
     spare = host_available_bytes - int(host_total_bytes * HOST_RESERVE_FRACTION)
     if needed and needed > spare:
         kind = "pinned " if is_pinned else ""
-        raise RuntimeError(
+        raise KVCacheSizingError(
             f"swap_space asks for {needed / GiB:.2f} GiB of {kind}host memory ({num_blocks} "
             f"blocks), but only {host_available_bytes / GiB:.2f} GiB are available and "
             f"{HOST_RESERVE_FRACTION:.0%} of the host's {host_total_bytes / GiB:.2f} GiB is kept "
@@ -179,7 +185,7 @@ def check_device_free(free_bytes: int, total_bytes: int, utilization: float) -> 
     wanted = int(total_bytes * utilization)
     if free_bytes >= wanted:
         return
-    raise RuntimeError(
+    raise KVCacheSizingError(
         f"gpu_memory_utilization {utilization} asks for {wanted / GiB:.2f} GiB of the device's "
         f"{total_bytes / GiB:.2f} GiB, but only {free_bytes / GiB:.2f} GiB were free before the "
         f"model loaded ({(total_bytes - free_bytes) / GiB:.2f} GiB held by other processes and "

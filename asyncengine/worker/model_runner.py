@@ -124,6 +124,7 @@ class ModelRunner:
             logger.info(
                 "kv_cache_sized",
                 **breakdown.log_fields(),
+                kv_cache_gib=round(num_gpu * breakdown.bytes_per_block / kv_sizing.GiB, 3),
                 num_gpu_blocks=num_gpu,
                 num_cpu_blocks=num_cpu,
                 capped_at_max_useful=breakdown.num_blocks > max_useful,

@@ -81,3 +81,15 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading(model_dir: An
     lines = [line for line in done.stderr.splitlines() if "cannot listen" in line]
     assert len(lines) == 1 and str(port) in lines[0], done.stderr
     assert "engine_started" not in done.stderr  # refused before the model loaded
+
+
+def test_a_kv_cache_that_cannot_fit_is_one_line_not_a_traceback(model_dir: Any) -> None:
+    command = [
+        *_serve_command(), "--model", str(model_dir("llama")), "--host", "127.0.0.1",
+        "--port", "0", "--device", "cpu", "--gpu-memory-utilization", "0.00001",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("asyncengine: error")]
+    assert "the KV cache cannot hold one max_model_len" in line and "gpu_memory_utilization" in line
