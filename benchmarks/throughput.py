@@ -13,8 +13,16 @@ Workloads use random token ids (no tokenizer), lengths drawn from `--seed`: `mix
 output lengths uniform in the given ranges) and `uniform` (fresh prompts, one output length).
 Each (system, workload) pair gets an untimed warm-up on separate prompts, so no prefix cache helps.
 
+`--dtype` takes a list (`float32,bfloat16,auto`; `auto` is the engine's default on this machine,
+run once if it equals another entry, and HF runs in the same dtype). `--rounds N` measures each
+(dtype, workload) N times, the systems alternating (ABBA) so that load drifting on a shared box
+hits them alike; the table gives medians and the range of the per-round ratios.
+
     python benchmarks/throughput.py --quick                     # smoke test, < 1 min
     python benchmarks/throughput.py --make-model medium --threads 2 --json
+    python benchmarks/throughput.py --make-model 60m --systems asyncengine,hf-static \
+        --workloads mixed --num-requests 48 --min-prompt 8 --max-prompt 160 --min-output 8 \
+        --max-output 128 --dtype float32,bfloat16,auto --rounds 3 --threads 2   # issue 15
 """
 
 from __future__ import annotations
@@ -27,12 +35,13 @@ import math
 import os
 import random
 import resource
+import statistics
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +50,7 @@ import torch
 SYSTEMS = ("asyncengine", "hf-static", "hf-cb")
 WORKLOADS = ("mixed", "uniform")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+AUTO = "auto"  # the engine's own choice (EngineArgs(dtype="auto")), resolved before the runs
 
 # Llama config overrides for `--make-model`. tiny: ~1.1M params (mostly the 8192-row embedding and
 # LM head), so step time is Python overhead. medium: ~58M params, so step time is the forward pass.
@@ -62,6 +72,10 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
     },
 }
+# `--make-model` presets built by asyncengine.testing.make_sized_llama(hidden_size, num_layers).
+# 60m: ~58M params (hidden 768, 8 layers, 12 heads, 3 KV heads, MLP 2304, vocab 2048), the
+# model of issue 15.
+SIZED_PRESETS: dict[str, tuple[int, int]] = {"60m": (768, 8)}
 
 # `--quick` replaces these defaults (explicit flags still win): a smoke test well under a minute.
 QUICK_DEFAULTS: dict[str, Any] = {
@@ -105,6 +119,7 @@ class BenchConfig:
     model_dir: Path
     dtype: str
     threads: int
+    max_model_len: int  # the engine's; room for the longest request, not the model's 2048
     batch_size: int
     hf_order: str
     max_num_seqs: int
@@ -119,6 +134,8 @@ class Result:
 
     system: str
     workload: str
+    dtype: str = ""
+    round: int = 0
     api: str = ""
     num_requests: int = 0
     num_prompt_tokens: int = 0
@@ -128,6 +145,10 @@ class Result:
     total_tok_s: float = float("nan")
     speedup_of_asyncengine: float | None = None
     other_cores: float | None = None
+    # generated tokens per CPU second of this process: less moved by other jobs than wall time
+    # (with one torch thread it is the work itself; with more it also counts OpenMP spin-waits)
+    gen_tok_per_cpu_s: float | None = None
+    cpu_speedup_of_asyncengine: float | None = None
     match_ref: str | None = None
     seq_match: float | None = None
     token_match: float | None = None
@@ -198,6 +219,7 @@ class AsyncEngineRunner:
             seed=0,
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
         )
 
     def api(self, workload: Workload) -> str:
@@ -393,7 +415,10 @@ def measure(runner: Runner, system: str, workload: Workload, warmup: Workload) -
     start = time.perf_counter()
     outputs = runner.generate(workload)
     result.wall_s = time.perf_counter() - start
-    result.other_cores = other_cores(cpu_before, cpu_seconds(), result.wall_s)
+    cpu_after = cpu_seconds()
+    result.other_cores = other_cores(cpu_before, cpu_after, result.wall_s)
+    if cpu_before is not None and cpu_after is not None and cpu_after[1] > cpu_before[1]:
+        result.gen_tok_per_cpu_s = result.num_generated_tokens / (cpu_after[1] - cpu_before[1])
     got_lens = [len(o) for o in outputs]
     if got_lens != workload.output_lens:
         num_bad = sum(g != w for g, w in zip(got_lens, workload.output_lens, strict=False))
@@ -430,22 +455,43 @@ def other_cores(
     return max(0.0, foreign / wall_s)
 
 
-def run_system(
-    system: str, cfg: BenchConfig, workloads: dict[str, Workload], names: Sequence[str]
+def run_dtype(
+    cfg: BenchConfig,
+    workloads: dict[str, Workload],
+    systems: Sequence[str],
+    names: Sequence[str],
+    rounds: int,
 ) -> list[Result]:
-    """Load `system` once and measure it on each named workload; errors become result rows."""
-    try:
-        runner = make_runner(system, cfg, [workloads[n] for n in names])
-    except Exception as exc:  # the engine may not import yet; report it and go on
-        return [Result(system=system, workload=n, error=_describe(exc)) for n in names]
-    results = []
-    for name in names:
+    """Load every system in `cfg.dtype` once, then measure each on each named workload, `rounds`
+    times, alternating the systems' order; errors become result rows."""
+    runners: dict[str, Runner] = {}
+    results: list[Result] = []
+    for system in systems:
+        print(f"loading {system} ({cfg.dtype}) ...", file=sys.stderr, flush=True)
         try:
-            results.append(measure(runner, system, workloads[name], workloads[f"warmup-{name}"]))
-        except Exception as exc:
-            results.append(Result(system=system, workload=name, error=_describe(exc)))
-        print(f"  done: {system} on {name}", file=sys.stderr, flush=True)
-    runner.close()
+            runners[system] = make_runner(system, cfg, [workloads[n] for n in names])
+        except Exception as exc:  # the engine may not import yet; report it and go on
+            results += [Result(system, n, cfg.dtype, error=_describe(exc)) for n in names]
+    for round_index in range(rounds):
+        order = list(runners) if round_index % 2 == 0 else list(reversed(runners))
+        for name in names:
+            for system in order:
+                try:
+                    result = measure(
+                        runners[system], system, workloads[name], workloads[f"warmup-{name}"]
+                    )
+                except Exception as exc:
+                    result = Result(system, name, error=_describe(exc))
+                result.dtype, result.round = cfg.dtype, round_index
+                results.append(result)
+                print(
+                    f"  {cfg.dtype} round {round_index}: {system} on {name} "
+                    f"{result.gen_tok_s:.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    for runner in runners.values():
+        runner.close()
     gc.collect()
     return results
 
@@ -455,14 +501,19 @@ def _describe(exc: BaseException) -> str:
 
 
 def compare(results: list[Result]) -> None:
-    """Fill speedups and output agreement against asyncengine (else the first system that ran)."""
-    for name in dict.fromkeys(r.workload for r in results):
-        rows = [r for r in results if r.workload == name and r.error is None]
+    """Fill speedups and output agreement against asyncengine (else the first system that ran),
+    within each (dtype, workload, round)."""
+    for key in dict.fromkeys((r.dtype, r.workload, r.round) for r in results):
+        rows = [r for r in results if (r.dtype, r.workload, r.round) == key and r.error is None]
         engine = next((r for r in rows if r.system == "asyncengine"), None)
         ref = engine or (rows[0] if rows else None)
         for row in rows:
             if engine is not None:
                 row.speedup_of_asyncengine = engine.gen_tok_s / row.gen_tok_s
+                if engine.gen_tok_per_cpu_s and row.gen_tok_per_cpu_s:
+                    row.cpu_speedup_of_asyncengine = (
+                        engine.gen_tok_per_cpu_s / row.gen_tok_per_cpu_s
+                    )
             if ref is not None and row is not ref and ref.outputs and row.outputs:
                 row.match_ref = ref.system
                 row.seq_match, row.token_match = match_rates(ref.outputs, row.outputs)
@@ -483,34 +534,105 @@ def match_rates(ref: list[list[int]], got: list[list[int]]) -> tuple[float, floa
 # Report
 
 
-def format_table(results: list[Result]) -> str:
-    """A fixed-width table; `ae/x` is asyncengine's generated tok/s over this row's, `other`
-    the cores other processes used meanwhile."""
+@dataclass
+class Summary:
+    """One (dtype, workload, system) over its rounds: medians, and the spread of the ratio."""
+
+    dtype: str
+    workload: str
+    system: str
+    api: str
+    num_rounds: int
+    num_requests: int
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    gen_tok_s: float  # median over rounds
+    speedup_of_asyncengine: float | None  # median of the per-round ratios
+    speedup_min: float | None
+    speedup_max: float | None
+    cpu_speedup: float | None  # median of the per-round ratios of tokens per CPU second
+    other_cores_max: float | None
+    match_ref: str | None
+    seq_match: float | None
+    token_match: float | None
+
+
+def summarize(results: list[Result]) -> list[Summary]:
+    """Rows that ran, grouped by (dtype, workload, system) in first-seen order."""
+    groups: dict[tuple[str, str, str], list[Result]] = {}
+    for r in results:
+        if r.error is None:
+            groups.setdefault((r.dtype, r.workload, r.system), []).append(r)
+    summaries = []
+    for (dtype, workload, system), rows in groups.items():
+        ratios = [r.speedup_of_asyncengine for r in rows if r.speedup_of_asyncengine is not None]
+        others = [r.other_cores for r in rows if r.other_cores is not None]
+        cpu_ratios = [
+            r.cpu_speedup_of_asyncengine for r in rows if r.cpu_speedup_of_asyncengine is not None
+        ]
+        first = rows[0]
+        summaries.append(
+            Summary(
+                dtype=dtype,
+                workload=workload,
+                system=system,
+                api=first.api,
+                num_rounds=len(rows),
+                num_requests=first.num_requests,
+                num_prompt_tokens=first.num_prompt_tokens,
+                num_generated_tokens=first.num_generated_tokens,
+                gen_tok_s=statistics.median(r.gen_tok_s for r in rows),
+                speedup_of_asyncengine=statistics.median(ratios) if ratios else None,
+                speedup_min=min(ratios) if ratios else None,
+                speedup_max=max(ratios) if ratios else None,
+                cpu_speedup=statistics.median(cpu_ratios) if cpu_ratios else None,
+                other_cores_max=max(others) if others else None,
+                match_ref=first.match_ref,
+                seq_match=first.seq_match,
+                token_match=first.token_match,
+            )
+        )
+    return summaries
+
+
+def format_table(results: list[Result], default_dtype: str = "") -> str:
+    """A fixed-width table of medians over rounds; `ae/x` is asyncengine's generated tok/s over
+    this row's (median of the rounds' ratios, and their range), `other` the most cores other
+    processes used during one of the row's timings, `cpu ae/x` the ratio of tokens per CPU
+    second of the process; `*` marks the engine's default dtype."""
     head = (
-        f"{'workload':<8} {'system':<12} {'api':<22} {'reqs':>5} {'prompt':>7} {'gen':>6} "
-        f"{'wall s':>7} {'gen tok/s':>9} {'tot tok/s':>9} {'ae/x':>5} {'other':>5}  match vs ref"
+        f"{'dtype':<10} {'workload':<8} {'system':<12} {'api':<22} {'runs':>4} {'reqs':>5} "
+        f"{'gen':>6} {'gen tok/s':>9} {'ae/x':>5} {'ae/x range':>11} {'cpu ae/x':>8} "
+        f"{'other':>5}  match vs ref"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         if r.error is not None:
-            lines.append(f"{r.workload:<8} {r.system:<12} ERROR {r.error}")
-            continue
-        ratio = "-" if r.speedup_of_asyncengine is None else f"{r.speedup_of_asyncengine:.2f}"
-        other = "?" if r.other_cores is None else f"{r.other_cores:.2f}"
+            lines.append(f"{r.dtype:<10} {r.workload:<8} {r.system:<12} ERROR {r.error}")
+    for row in summarize(results):
+        dtype = row.dtype + ("*" if row.dtype == default_dtype else "")
+        ratio = "-" if row.speedup_of_asyncengine is None else f"{row.speedup_of_asyncengine:.2f}"
+        spread = (
+            "-"
+            if row.speedup_min is None or row.system == "asyncengine"
+            else f"{row.speedup_min:.2f}-{row.speedup_max:.2f}"
+        )
+        other = "?" if row.other_cores_max is None else f"{row.other_cores_max:.2f}"
+        cpu_ratio = "-" if row.cpu_speedup is None else f"{row.cpu_speedup:.2f}"
         match = (
             "(ref)"
-            if r.match_ref is None
-            else (f"{r.seq_match:.0%} reqs, {r.token_match:.1%} tok vs {r.match_ref}")
+            if row.match_ref is None
+            else f"{row.seq_match:.0%} reqs, {row.token_match:.1%} tok vs {row.match_ref}"
         )
         lines.append(
-            f"{r.workload:<8} {r.system:<12} {r.api:<22} {r.num_requests:>5} "
-            f"{r.num_prompt_tokens:>7} {r.num_generated_tokens:>6} {r.wall_s:>7.2f} "
-            f"{r.gen_tok_s:>9.1f} {r.total_tok_s:>9.1f} {ratio:>5} {other:>5}  {match}"
+            f"{dtype:<10} {row.workload:<8} {row.system:<12} {row.api:<22} {row.num_rounds:>4} "
+            f"{row.num_requests:>5} {row.num_generated_tokens:>6} {row.gen_tok_s:>9.1f} "
+            f"{ratio:>5} {spread:>11} {cpu_ratio:>8} {other:>5}  {match}"
         )
     return "\n".join(lines)
 
 
-def notes(cfg: BenchConfig, results: list[Result]) -> list[str]:
+def notes(cfg: BenchConfig, results: list[Result], default_dtype: str) -> list[str]:
     """Caveats printed under the table and stored in the JSON."""
     busiest = max((r.other_cores or 0.0 for r in results), default=0.0)
     shared = []
@@ -532,6 +654,8 @@ def notes(cfg: BenchConfig, results: list[Result]) -> list[str]:
         f"max_requests_per_batch={cfg.max_num_seqs}, page_size={cfg.hf_page_size}, cache sized so "
         "no request is evicted.",
         "match: greedy outputs compared token for token; bf16 runs may diverge legitimately.",
+        f"engine default dtype on this machine (dtype='auto'): {default_dtype}; HF runs in the "
+        "same dtype as the engine on every row.",
     ]
 
 
@@ -544,8 +668,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="HF model directory")
-    src.add_argument("--make-model", choices=sorted(MODEL_PRESETS), help="random Llama (tiny)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    src.add_argument(
+        "--make-model",
+        choices=sorted([*MODEL_PRESETS, *SIZED_PRESETS]),
+        help="random Llama (tiny); 60m: make_sized_llama(768, 8)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help=f"comma list from {','.join([*DTYPES, AUTO])} (auto: the engine's default)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="timings per (dtype, workload, system)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of mixed,uniform")
@@ -564,6 +697,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sanity config, < 1 min")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--json-out", type=Path, help="also write the JSON report to this file")
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--quick" in argv:
         p.set_defaults(**QUICK_DEFAULTS)
@@ -574,9 +708,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not chosen or any(s not in allowed for s in chosen):
             p.error(f"--{flag} must be a comma list from {','.join(allowed)}")
         setattr(args, flag, chosen)
+    args.dtype = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    if not args.dtype or any(d not in (*DTYPES, AUTO) for d in args.dtype):
+        p.error(f"--dtype must be a comma list from {','.join([*DTYPES, AUTO])}")
     if args.min_prompt > args.max_prompt or args.min_output > args.max_output:
         p.error("min lengths must not exceed max lengths")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     return args
+
+
+def engine_default_dtype(model_dir: Path) -> str:
+    """What dtype="auto" resolves to for this model on this machine's CPU."""
+    from asyncengine import EngineArgs
+
+    args = EngineArgs(model=str(model_dir), device="cpu")
+    return args.create_engine_config().model_config.dtype
 
 
 def prompt_token_ids(model_dir: Path) -> tuple[list[int], int]:
@@ -609,10 +756,16 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     token_ids, max_positions = prompt_token_ids(model_dir)
     if args.max_prompt + max(args.max_output, args.uniform_output) > max_positions:
         raise SystemExit(f"prompt + output exceeds max_position_embeddings={max_positions}")
+    default_dtype = engine_default_dtype(model_dir)
+    dtypes = list(dict.fromkeys(default_dtype if d == AUTO else d for d in args.dtype))
+    if any(d not in DTYPES for d in dtypes):
+        raise SystemExit(f"the engine's default dtype {default_dtype} is not benchmarked here")
+    longest = args.max_prompt + max(args.max_output, args.uniform_output)
     cfg = BenchConfig(
         model_dir=model_dir,
-        dtype=args.dtype,
+        dtype=dtypes[0],
         threads=torch.get_num_threads(),
+        max_model_len=min(max_positions, 1 << (longest - 1).bit_length()),
         batch_size=args.batch_size,
         hf_order=args.hf_order,
         max_num_seqs=args.max_num_seqs,
@@ -622,13 +775,15 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     )
     workloads = make_workloads(args, token_ids)
     results: list[Result] = []
-    for system in args.systems:
-        print(f"running {system} ...", file=sys.stderr, flush=True)
-        results.extend(run_system(system, cfg, workloads, args.workloads))
-    # Group the table by workload, systems in the order given.
-    results.sort(key=lambda r: args.workloads.index(r.workload))
+    for dtype in dtypes:
+        results += run_dtype(
+            replace(cfg, dtype=dtype), workloads, args.systems, args.workloads, args.rounds
+        )
     compare(results)
+    # Group the table by dtype, then workload, systems in the order given.
+    results.sort(key=lambda r: (dtypes.index(r.dtype), args.workloads.index(r.workload), r.round))
     run_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    run_config.update(dtype=dtypes, default_dtype=default_dtype, rounds=args.rounds)
     run_config.update(make_model=args.make_model, quick=args.quick, argv=sys.argv[1:])
     run_config.update(torch=torch.__version__, transformers=_transformers_version())
     # NaN (the timings of a failed row) is not JSON; write null.
@@ -636,7 +791,15 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         {k: None if _is_nan(v) else v for k, v in asdict(r).items() if k != "outputs"}
         for r in results
     ]
-    report = {"config": run_config, "results": rows, "notes": notes(cfg, results)}
+    summary = [
+        {k: None if _is_nan(v) else v for k, v in asdict(row).items()} for row in summarize(results)
+    ]
+    report = {
+        "config": run_config,
+        "summary": summary,
+        "results": rows,
+        "notes": notes(cfg, results, default_dtype),
+    }
     return {**report, "_results": results}
 
 
@@ -657,21 +820,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="throughput-model-") as tmp:
         model_dir = args.model
         if model_dir is None:
-            from asyncengine.testing import make_random_model
+            from asyncengine.testing import make_random_model, make_sized_llama
 
             preset = args.make_model or "tiny"
-            model_dir = make_random_model(Path(tmp) / preset, "llama", **MODEL_PRESETS[preset])
+            if preset in SIZED_PRESETS:
+                model_dir = make_sized_llama(Path(tmp) / preset, *SIZED_PRESETS[preset])
+            else:
+                model_dir = make_random_model(Path(tmp) / preset, "llama", **MODEL_PRESETS[preset])
         report = benchmark(args, model_dir)
     results: list[Result] = report.pop("_results")
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(report, indent=2) + "\n")
     if args.json:
         print(json.dumps(report, indent=2))
         return
     cfg = report["config"]
     print(
-        f"model={args.model or args.make_model or 'tiny'} dtype={cfg['dtype']} "
-        f"threads={cfg['threads']} torch={cfg['torch']} transformers={cfg['transformers']}"
+        f"model={args.model or args.make_model or 'tiny'} dtypes={','.join(cfg['dtype'])} "
+        f"rounds={cfg['rounds']} threads={cfg['threads']} torch={cfg['torch']} "
+        f"transformers={cfg['transformers']}"
     )
-    print(format_table(results))
+    print(format_table(results, cfg["default_dtype"]))
     print("\n".join(f"* {n}" for n in report["notes"]))
 
 
