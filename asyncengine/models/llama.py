@@ -38,7 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cpu and x.dim() == 2 and x.is_contiguous() and cpu_ops.is_loaded():
+        is_plain = x.is_cpu and x.dim() == 2 and x.is_contiguous()
+        if is_plain and x.dtype == self.weight.dtype and cpu_ops.is_loaded():
             return cpu_ops.rms_norm(x, self.weight, self.eps)  # the same math in one pass
         # statistics in float32 whatever the dtype, as transformers does
         x32 = x.float()
@@ -60,7 +61,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, heads, head_dim]
-        if x.is_cpu and x.stride(-1) == 1 and cpu_ops.is_loaded():
+        if x.is_cpu and x.stride(-1) == 1 and positions.dtype == torch.long and cpu_ops.is_loaded():
             return cpu_ops.rotary_embedding_(x, positions, self.cos, self.sin)  # in place
         cos = self.cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.sin[positions].unsqueeze(1).to(x.dtype)
@@ -154,7 +155,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_cpu and cpu_ops.is_loaded():
+        if gate_up.is_cpu and gate_up.is_contiguous() and cpu_ops.is_loaded():
             return self.down_proj(cpu_ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
