@@ -20,6 +20,8 @@ GiB = 1 << 30
 class KVCacheSizingError(RuntimeError):
     """The memory budget cannot hold the KV cache the settings need; the message says which
     setting to change (the CLI prints it as one line)."""
+
+
 # host memory that pinned swap blocks must leave to the process and the OS
 HOST_RESERVE_FRACTION = 0.1
 # device memory below this fraction left outside the budget starves the runtime (allocator
