@@ -257,6 +257,15 @@ def test_abort_right_after_the_fork_ends_every_sample(llm: LLM) -> None:
     while len(engine.scheduler.requests) < 3:  # the step that forks samples 1 and 2
         engine.step()
     (final,) = engine.abort_request("forked")
-    assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"]
+    assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 3
     assert not engine.has_unfinished_requests()
     assert_all_blocks_free(llm)
+
+
+def test_a_request_aborted_before_its_fork_still_ends_n_samples(llm: LLM) -> None:
+    engine: LLMEngine = llm.llm_engine
+    engine.add_request("early", PROMPTS[1], SamplingParams(n=3, max_tokens=8, logprobs=2))
+    (final,) = engine.abort_request("early")  # before any step: nothing forked
+    assert [(c.index, c.finish_reason, c.token_ids, c.logprobs) for c in final.outputs] == [
+        (i, "abort", [], []) for i in range(3)
+    ]

@@ -285,8 +285,16 @@ def test_json_object_and_the_grammar_cache(model_dir) -> None:
     assert again.grammar is first.grammar
 
 
-def test_the_loop_serves_others_while_a_slow_grammar_compiles(model_dir) -> None:
-    # hundreds of properties with patterns: a compile of a good fraction of a second
+def test_the_loop_serves_others_while_a_slow_grammar_compiles(model_dir, monkeypatch) -> None:
+    # hundreds of properties with patterns: a compile of a good fraction of a second, and
+    # never less than 0.3 s (like xgrammar, the sleep lets go of the GIL), however fast the box
+    compile = StructuredOutputManager.compile
+
+    def slow_compile(self: StructuredOutputManager, params: Any) -> Any:
+        time.sleep(0.3)
+        return compile(self, params)
+
+    monkeypatch.setattr(StructuredOutputManager, "compile", slow_compile)
     slow = {
         "type": "object",
         "properties": {

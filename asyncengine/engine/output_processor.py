@@ -116,11 +116,22 @@ class RequestState:
             return None
         is_delta = kind is RequestOutputKind.DELTA
         parent = self.parent
+        outputs = [_completion(self.samples[i], is_delta) for i in sorted(self.samples)]
+        if is_finished:
+            # samples never forked (the request ended before its prompt was computed) end
+            # with it, empty: a caller always gets n final samples
+            params = parent.sampling_params
+            no_logprobs = None if params.logprobs is None else []
+            missing = [i for i in range(params.n) if i not in self.samples]
+            outputs += [
+                CompletionOutput(i, "", [], no_logprobs, parent.finish_reason) for i in missing
+            ]
+            outputs.sort(key=lambda c: c.index)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            outputs=[_completion(self.samples[i], is_delta) for i in sorted(self.samples)],
+            outputs=outputs,
             finished=is_finished,
             error=parent.error,
             metrics=RequestMetrics(

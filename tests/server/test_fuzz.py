@@ -39,7 +39,7 @@ from .proto_strategies import (
 )
 from .utils import SERVING, ServerProcess, bad_field, check_stream_shape, detail, events, stubs
 
-NUM_EXAMPLES = 600  # about 30 s on 2 cores (70 s when other work keeps them busy)
+NUM_EXAMPLES = 1000  # about 45 s on 2 cores (100 s when other work keeps them busy)
 SHRINK_BUDGET_S = 120.0
 CALL_TIMEOUT_S = 30.0  # every fuzzed call is small: running past this means the server hung
 MAX_CALLS_AT_ONCE = 3
