@@ -8,6 +8,7 @@ README's own server may well be running on 50051 while its reader runs these tes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -64,7 +66,12 @@ def test_the_python_blocks_are_found() -> None:
 @pytest.mark.parametrize(
     "code", [code for _, code in PYTHON_BLOCKS], ids=[where for where, _ in PYTHON_BLOCKS]
 )
-def test_every_python_block_of_the_docs_runs_as_pasted(code: str, tmp_path: Path) -> None:
+def test_every_python_block_of_the_docs_runs_as_pasted(
+    code: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if "localhost:8000" in code:  # a client of `serve --http-port 8000`: run against ours
+        served: Served = request.getfixturevalue("served")
+        code = code.replace("localhost:8000", f"localhost:{served.http}")
     script = tmp_path / "snippet.py"
     script.write_text(code)
     result = subprocess.run(
@@ -99,15 +106,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass
+class Served:
+    grpc: int
+    http: int
+
+
 @pytest.fixture(scope="module")
-def served() -> Iterator[int]:
+def served() -> Iterator[Served]:
     serve = code_blocks("bash")[0].strip().rsplit("&&", 1)[1].strip()
-    port = free_port()
+    port, http_port = free_port(), free_port()
+    ports = ["--port", str(port), "--http-port", str(http_port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
         # float32, as the README's completion was made: dtype "auto" picks bfloat16 on CPUs
         # that multiply it natively, and bf16's greedy text differs after a few words
-        [*shlex.split(serve), "--port", str(port), "--dtype", "float32"],
+        [*shlex.split(serve), "--dtype", "float32", *ports],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -115,16 +129,26 @@ def served() -> Iterator[int]:
     )
     try:
         wait_serving(f"localhost:{port}", process)
-        yield port
+        yield Served(port, http_port)
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
 
 
-def test_the_quick_start_streams_what_the_readme_shows(served: int) -> None:
+def test_the_curl_example_completes_over_http(served: Served) -> None:
+    (curl,) = code_blocks("sh")
+    command = curl.replace("localhost:8000", f"localhost:{served.http}")
+    result = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (choice,) = json.loads(result.stdout)["choices"]
+    assert choice["text"] and choice["finish_reason"] == "length"
+
+
+def test_the_quick_start_streams_what_the_readme_shows(served: Served) -> None:
     (console,) = code_blocks("console")
     first, *shown = console.splitlines()
-    command = first.removeprefix("$ ").removeprefix(ACTIVATE) + f" --target localhost:{served}"
+    command = first.removeprefix("$ ").removeprefix(ACTIVATE)
+    command += f" --target localhost:{served.grpc}"
     result = subprocess.run(
         command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
     )
