@@ -121,7 +121,7 @@ class RequestState:
             # samples never forked (the request ended before its prompt was computed) end
             # with it, empty: a caller always gets n final samples
             params = parent.sampling_params
-            no_logprobs = None if params.logprobs is None else []
+            no_logprobs: list[Logprobs] | None = None if params.logprobs is None else []
             missing = [i for i in range(params.n) if i not in self.samples]
             outputs += [
                 CompletionOutput(i, "", [], no_logprobs, parent.finish_reason) for i in missing
