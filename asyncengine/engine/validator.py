@@ -171,7 +171,7 @@ class RequestValidator:
                 f"is {len(token_ids)} tokens: no room for output within the context length "
                 f"(max_model_len {self.max_model_len})",
             )
-        self._check_token_ids("prompt", token_ids)
+        self.check_token_ids("prompt", token_ids)
 
     def _check_params(self, params: SamplingParams) -> None:
         if params.n > self.max_num_seqs:
@@ -180,9 +180,9 @@ class RequestValidator:
                 f"is {params.n}, more than max_num_seqs ({self.max_num_seqs}): the samples run "
                 "at once, one sequence each",
             )
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self.check_token_ids("stop_token_ids", params.stop_token_ids)
         if params.logit_bias:
-            self._check_token_ids("logit_bias", list(params.logit_bias))
+            self.check_token_ids("logit_bias", list(params.logit_bias))
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidRequestError(
                 "logprobs", f"must be <= the vocabulary size ({self.vocab_size})"
@@ -190,9 +190,6 @@ class RequestValidator:
 
     def check_token_ids(self, field: str, token_ids: list[int]) -> None:
         """Every id is in the vocabulary (what a token-id field of any call must hold)."""
-        self._check_token_ids(field, token_ids)
-
-    def _check_token_ids(self, field: str, token_ids: list[int]) -> None:
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(
