@@ -167,7 +167,8 @@ def finished_by_length(cluster: Any) -> dict[str, int]:
 def is_cut_off(stream: Stream) -> bool:
     """A clear end for a stream whose replica died under it: UNAVAILABLE, or what grpc makes of
     HAProxy 2.6 closing the client's stream with END_STREAM and no trailers (UNKNOWN, 'Stream
-    removed'; grpc-go says INTERNAL). Never OK, never a deadline."""
+    removed'; grpc-go says INTERNAL). Never OK, never a deadline. No per-call balancer Debian
+    packages gives UNAVAILABLE here: docs/operations.md ("Death") has what each one gives."""
     if stream.code == grpc.StatusCode.UNAVAILABLE:
         return True
     return stream.code == grpc.StatusCode.UNKNOWN and "Stream removed" in stream.details
