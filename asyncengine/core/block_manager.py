@@ -154,6 +154,8 @@ class BlockSpaceManager:
         if not self.enable_caching:
             return
         hashes = self.block_hashes.setdefault(seq.request_id, [])
+        if len(hashes) == num_computed_tokens // self.block_size:
+            return  # no block filled up (a decode step, all but one in `block_size`)
         table = self.block_tables[seq.request_id]
         parent = hashes[-1] if hashes else None
         for index in range(len(hashes), num_computed_tokens // self.block_size):
@@ -260,6 +262,29 @@ class BlockSpaceManager:
         return self._num_blocks_to_grow(seqs, self.block_tables, ref_count) <= (
             self.gpu_pool.num_free
         )
+
+    def append_decode_slot(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """`can_append_slot` and `append_slot` at once for a sequence with one token to
+        compute (a decode), the common case of every step: its copy-on-write pairs, or None,
+        changing nothing, when it needs a block and none is free."""
+        table = self.block_tables[seq.request_id]
+        index = seq.num_computed_tokens // self.block_size  # the block the token goes to
+        pool = self.gpu_pool
+        if self.sliding_window is not None or len(table) > index + 1:
+            return self.append_slot(seq) if self.can_append_slot(seq) else None
+        if len(table) == index:  # the last block is full
+            if not pool.num_free:
+                return None
+            table.append(pool.allocate())
+            return []
+        block = table[index]
+        if pool.ref_counts[block] == 1:
+            return []
+        if not pool.num_free:
+            return None
+        table[index] = pool.allocate()
+        pool.decref(block)
+        return [(block, table[index])]
 
     def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
         """Grow the table to cover every token; return copy-on-write (src, dst) pairs."""

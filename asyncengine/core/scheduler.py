@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from asyncengine.config import SchedulerConfig
@@ -133,8 +133,18 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
-        queue = list(self.running)
+        queue = deque(self.running)
         while queue and budget.has_room:
+            req = queue[0]
+            if _is_lone_decode(req, queue):  # most of every step: one token, one sample
+                copies = self.block_manager.append_decode_slot(req)
+                if copies is not None:
+                    queue.popleft()
+                    out.blocks_to_copy += copies
+                    budget.num_tokens -= 1
+                    budget.num_seqs -= 1
+                    out.add(req, 1, self.block_manager.block_tables[req.request_id])
+                    continue
             # the samples of one request grow together or are preempted together
             group = _pop_group(queue, 0)
             while not self.block_manager.can_append_slot(*group):
@@ -290,12 +300,14 @@ class Scheduler:
         """
         updated = []
         now = time.monotonic()
+        num_scheduled_tokens = out.num_scheduled_tokens
+        mark_computed = self.block_manager.mark_computed
         for req in out.scheduled:
             if req.is_finished:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
-            self.block_manager.mark_computed(req, req.num_computed_tokens)
-            if req.is_ready_to_fork:
+            req.num_computed_tokens += num_scheduled_tokens[req.request_id]
+            mark_computed(req, req.num_computed_tokens)
+            if req.num_pending_samples and req.is_ready_to_fork:
                 self._fork_samples(req)
             token_id = sampled_token_ids.get(req.request_id)
             if token_id is None:  # a prefill chunk that did not reach the end of the prompt
@@ -311,17 +323,19 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_tokens = len(req.token_ids)
+        num_output_tokens = num_tokens - req.num_prompt_tokens
+        if num_output_tokens >= params.min_tokens:
             if token_id in req.eos_token_ids and not params.ignore_eos:
                 return FinishReason.EOS
             if token_id in params.stop_token_ids:
                 req.stop_reason = token_id
                 return FinishReason.STOP_TOKEN
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.config.max_model_len:
             return FinishReason.CONTEXT_LIMIT
-        if req.num_tokens >= self.max_seq_len:
+        if num_tokens >= self.max_seq_len:
             return FinishReason.CACHE_LIMIT
         return None
 
@@ -332,12 +346,23 @@ def _head_group(queue: list[Request]) -> list[Request]:
     return list(itertools.takewhile(lambda req: req.group_id == group_id, queue))
 
 
-def _pop_group(queue: list[Request], index: int) -> list[Request]:
+def _is_lone_decode(req: Request, queue: deque[Request]) -> bool:
+    """Whether `req`, at the head of `queue`, computes one token and has no sibling samples
+    (siblings sit right after it)."""
+    return (
+        req.num_computed_tokens + 1 == len(req.token_ids)
+        and not req.num_pending_samples
+        and (len(queue) == 1 or queue[1].group_id != req.group_id)
+    )
+
+
+def _pop_group(queue: deque[Request], index: int) -> list[Request]:
     """Pop the request at `index` (0 or -1) of `queue` with its sibling samples next to it
     (siblings share a sort key, so they sit together), in queue order."""
-    group = [queue.pop(index)]
+    pop = queue.popleft if index == 0 else queue.pop
+    group = [pop()]
     while queue and queue[index].group_id == group[0].group_id:
-        group.append(queue.pop(index))
+        group.append(pop())
     return group if index == 0 else group[::-1]
 
 

@@ -245,6 +245,36 @@ def test_can_append_slot_counts_the_copy_a_shared_block_needs():
     assert not bm.can_append_slot(child)
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "forked", "num_gpu_blocks"),
+    [
+        (6, False, 8),  # the token lands in the last block, held alone: nothing to do
+        (8, False, 8),  # the last block is full: one new block
+        (6, True, 8),  # the last block is shared with a fork: a private copy
+        (8, False, 2),  # a new block is needed and none is free (2 blocks hold 8 tokens)
+        (6, True, 2),  # a copy is needed and none is free
+    ],
+)
+def test_append_decode_slot_does_what_can_append_slot_and_append_slot_do(
+    num_tokens, forked, num_gpu_blocks
+):
+    def setup() -> tuple[BlockSpaceManager, Seq]:
+        bm = create_block_manager(num_gpu_blocks=num_gpu_blocks)
+        seq = allocated(bm, "a", num_tokens)
+        if forked:
+            bm.fork(seq, Seq("fork", num_tokens))
+        seq.num_tokens += 1
+        return bm, seq
+
+    general, general_seq = setup()
+    fast, fast_seq = setup()
+    expected = general.append_slot(general_seq) if general.can_append_slot(general_seq) else None
+    assert fast.append_decode_slot(fast_seq) == expected
+    fast.check_invariants()
+    assert fast.block_tables == general.block_tables
+    assert fast.get_num_free_gpu_blocks() == general.get_num_free_gpu_blocks()
+
+
 # -- swapping -----------------------------------------------------------------------------------
 
 
