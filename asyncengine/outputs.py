@@ -12,7 +12,7 @@ __all__ = ["CompletionOutput", "FinishReason", "Logprobs", "RequestMetrics", "Re
 Logprobs = dict[int, float]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request: text and token ids generated so far (or, for a DELTA output,
     since the last output its caller took)."""
@@ -43,7 +43,7 @@ class CompletionOutput:
         self.finish, self.stop_reason = later.finish, later.stop_reason
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timings (time.monotonic seconds) and counts of one request, for usage reports."""
 
@@ -56,7 +56,7 @@ class RequestMetrics:
     num_output_tokens: int = 0  # of the longest sample, so far (whatever the output kind)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after a step; `finished` is True on its last output."""
 

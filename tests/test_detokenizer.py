@@ -10,7 +10,13 @@ from transformers import AutoTokenizer
 
 from asyncengine import AsyncLLMEngine, EngineArgs, SamplingParams
 from asyncengine.core.request import Request
-from asyncengine.engine.detokenizer import IncrementalDetokenizer, make_decode
+from asyncengine.engine.detokenizer import (
+    IncrementalDetokenizer,
+    NewDetokenizer,
+    StreamDetokenizer,
+    make_decode,
+    make_detokenizer,
+)
 from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.worker.fake_runner import FakeModelRunner
 
@@ -26,17 +32,44 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir("llama"))
 
 
+def detokenizers(tokenizer) -> dict[str, NewDetokenizer]:
+    decode = make_decode(tokenizer)
+    backend = tokenizer.backend_tokenizer
+    return {
+        "two decodes": lambda prompt, skip: IncrementalDetokenizer(decode, prompt, skip),
+        "DecodeStream": lambda prompt, skip: StreamDetokenizer(backend, decode, prompt, skip),
+    }
+
+
+def test_the_engine_takes_the_decode_stream_when_tokenizers_has_one(tokenizer) -> None:
+    assert isinstance(make_detokenizer(tokenizer)([1, 2], True), StreamDetokenizer)
+
+
+@pytest.mark.parametrize("kind", ["two decodes", "DecodeStream"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_deltas_join_to_the_full_decode_with_no_split_character(tokenizer, text) -> None:
+def test_deltas_join_to_the_full_decode_with_no_split_character(tokenizer, text, kind) -> None:
     prompt = tokenizer.encode("prompt")
     output = tokenizer.encode(text, add_special_tokens=False)
     assert len(output) > len(text.encode()) // 4  # multi-byte characters span several tokens
-    detok = IncrementalDetokenizer(make_decode(tokenizer), prompt, skip_special_tokens=True)
+    detok = detokenizers(tokenizer)[kind](prompt, True)
     deltas = []
     for i in range(1, len(output) + 1):
         deltas.append(detok.decode_next(prompt + output[:i], is_final=i == len(output)))
         assert "\ufffd" not in "".join(deltas)
     assert "".join(deltas) == text == tokenizer.decode(output)
+
+
+@pytest.mark.parametrize("kind", ["two decodes", "DecodeStream"])
+def test_a_sequence_cut_inside_a_character_ends_as_a_full_decode_shows_it(tokenizer, kind) -> None:
+    prompt = tokenizer.encode("prompt")
+    output = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    # the first prefix whose decode ends in a half-made character
+    cut = next(i for i in range(1, len(output)) if tokenizer.decode(output[:i]).endswith("\ufffd"))
+    detok = detokenizers(tokenizer)[kind](prompt, True)
+    text = "".join(
+        detok.decode_next(prompt + output[:i], is_final=i == cut) for i in range(1, cut + 1)
+    )
+    assert text == tokenizer.decode(output[:cut])
 
 
 def scripted_engine(model_dir, tokenizer, text: str) -> AsyncLLMEngine:

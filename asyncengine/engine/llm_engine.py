@@ -12,7 +12,7 @@ from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.block_manager import BlockSpaceManager
 from asyncengine.core.request import FinishReason, Request, RequestStatus, new_request_id
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
-from asyncengine.engine.detokenizer import make_decode
+from asyncengine.engine.detokenizer import make_detokenizer
 from asyncengine.engine.output_processor import RequestState
 from asyncengine.engine.structured_output import CompiledConstraint, StructuredOutputManager
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
@@ -69,7 +69,7 @@ class LLMEngine:
         self.config = config
         model_config = config.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
-        self._decode = make_decode(self.tokenizer)
+        self._new_detokenizer = make_detokenizer(self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model_config.hf_config)
         self.vocab_size = int(model_config.hf_config.vocab_size)
         for warning in kv_sizing.practice_warnings(config):
@@ -159,7 +159,7 @@ class LLMEngine:
         if constraint is not None:
             self.structured.add(req.group_id, constraint)
         self.scheduler.add_request(req)
-        state = RequestState(validated.request_id, req, validated.prompt, self._decode)
+        state = RequestState(validated.request_id, req, validated.prompt, self._new_detokenizer)
         self._states[validated.request_id] = state
         self._groups[req.group_id] = state
 
@@ -270,7 +270,7 @@ class LLMEngine:
         for req in plan.rejected:
             if (state := self._groups.get(req.group_id)) is not None:
                 changed[req.group_id] = state
-        for req in plan.scheduled:
+        for req in plan.scheduled if result.failures or result.prompt_logprobs else ():
             failure = result.failures.get(req.request_id)
             if failure is not None and (state := self._groups.get(req.group_id)) is not None:
                 self._fail(state, "sampling", failure)
@@ -278,28 +278,33 @@ class LLMEngine:
             scored = result.prompt_logprobs.get(req.request_id)
             if scored is not None and (state := self._groups.get(req.group_id)) is not None:
                 state.on_prompt_logprobs(*scored)
+        structured, finish = self.structured, self.scheduler.finish_request
+        any_constrained = structured.has_requests
         for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
             state = self._groups[req.group_id]
             changed[req.group_id] = state
+            if any_constrained:
+                try:
+                    # a grammar that has ended ends its sample, even under min_tokens or
+                    # ignore_eos
+                    is_constrained = structured.is_constrained(req) and not req.is_finished
+                    if is_constrained and structured.accept(req):
+                        finish(req, FinishReason.EOS)
+                except Exception as exc:
+                    self._fail(state, "structured output", repr(exc))
+                    continue
             try:
-                # a grammar that has ended ends its sample, even under min_tokens or ignore_eos
-                is_constrained = self.structured.is_constrained(req) and not req.is_finished
-                if is_constrained and self.structured.accept(req):
-                    self.scheduler.finish_request(req, FinishReason.EOS)
-            except Exception as exc:
-                self._fail(state, "structured output", repr(exc))
-                continue
-            try:
-                logprobs = result.logprobs.get(req.request_id)
-                state.on_token(req, logprobs, self.scheduler.finish_request)
+                state.on_token(req, result.logprobs.get(req.request_id), finish)
             except Exception as exc:
                 self._fail(state, "detokenizing or stop checks", repr(exc))
         outputs = []
         for state in changed.values():
-            if state.is_finished:
-                outputs.append(self._final_output(state))
-            elif (out := state.make_output()) is not None:
-                outputs.append(out)
+            out = state.make_output()
+            if out is None:
+                continue
+            if out.finished:
+                self._forget(state)
+            outputs.append(out)
         return outputs
 
     def _fail(self, state: RequestState, stage: str, cause: str) -> None:
@@ -311,12 +316,15 @@ class LLMEngine:
 
     def _final_output(self, state: RequestState) -> RequestOutput:
         """The request's last output; the engine forgets it."""
+        out = state.make_output()
+        assert out is not None and out.finished
+        self._forget(state)
+        return out
+
+    def _forget(self, state: RequestState) -> None:
         del self._states[state.request_id]
         del self._groups[state.group_id]
         self.structured.release(state.group_id)
-        out = state.make_output()
-        assert out is not None and out.finished
-        return out
 
     # -- introspection -----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncengine.core.request import FinishReason, Request
-from asyncengine.engine.detokenizer import Decode, IncrementalDetokenizer
+from asyncengine.engine.detokenizer import Detokenizer, NewDetokenizer
 from asyncengine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind
 
@@ -17,7 +17,7 @@ FinishRequest = Callable[[Request, FinishReason], None]
 @dataclass
 class _Sample:
     req: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     text: str = ""
     logprobs: list[Logprobs] = field(default_factory=list)
     # what DELTA outputs have carried so far
@@ -33,10 +33,12 @@ class RequestState:
     itself, the others are forked from it once its prompt is computed); they all report here.
     """
 
-    def __init__(self, request_id: str, req: Request, prompt: str | None, decode: Decode) -> None:
+    def __init__(
+        self, request_id: str, req: Request, prompt: str | None, new_detokenizer: NewDetokenizer
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.decode = decode
+        self.new_detokenizer = new_detokenizer
         self.parent = req
         self.samples: dict[int, _Sample] = {}
         self.is_ended = False  # aborted or failed: over, whichever samples exist by then
@@ -53,7 +55,7 @@ class RequestState:
 
     def add_sample(self, req: Request) -> None:
         skip = req.sampling_params.skip_special_tokens
-        detokenizer = IncrementalDetokenizer(self.decode, req.prompt_token_ids, skip)
+        detokenizer = self.new_detokenizer(req.prompt_token_ids, skip)
         self.samples[req.sample_index] = _Sample(req, detokenizer)
 
     @property
@@ -62,9 +64,11 @@ class RequestState:
             return True
         # before the fork only sample 0 exists; a parent that ended then has no samples to wait on
         expected = 1 if self.parent.num_pending_samples else self.parent.sampling_params.n
-        return len(self.samples) == expected and all(
-            s.req.is_finished for s in self.samples.values()
-        )
+        if len(self.samples) != expected:
+            return False
+        if expected == 1:  # no generator for the common case: this runs every step
+            return self.samples[0].req.is_finished
+        return all(sample.req.is_finished for sample in self.samples.values())
 
     def on_token(self, req: Request, logprobs: Logprobs | None, finish: FinishRequest) -> None:
         """Take a sample's new token: detokenize it and end the sample on a stop string."""
@@ -116,38 +120,48 @@ class RequestState:
             return None
         is_delta = kind is RequestOutputKind.DELTA
         parent = self.parent
-        outputs = [_completion(self.samples[i], is_delta) for i in sorted(self.samples)]
-        if is_finished:
+        samples = self.samples
+        if len(samples) == 1:  # n == 1, or before the fork: no merging or sorting
+            only = samples[0].req
+            outputs = [_completion(samples[0], is_delta)]
+            finished_time, num_preemptions = only.finished_time, only.num_preemptions
+            num_output_tokens = len(only.token_ids) - only.num_prompt_tokens
+        else:
+            outputs = [_completion(samples[i], is_delta) for i in sorted(samples)]
+            finished_time = max(s.req.finished_time or 0.0 for s in samples.values())
+            num_preemptions = sum(s.req.num_preemptions for s in samples.values())
+            num_output_tokens = max(s.req.num_output_tokens for s in samples.values())
+        if is_finished and len(samples) < parent.sampling_params.n:
             # samples never forked (the request ended before its prompt was computed) end
             # with it, empty: a caller always gets n final samples
             params = parent.sampling_params
             no_logprobs: list[Logprobs] | None = None if params.logprobs is None else []
-            missing = [i for i in range(params.n) if i not in self.samples]
+            missing = [i for i in range(params.n) if i not in samples]
             outputs += [
                 CompletionOutput(i, "", [], no_logprobs, parent.finish_reason) for i in missing
             ]
             outputs.sort(key=lambda c: c.index)
+        metrics = RequestMetrics(
+            parent.arrival_time,
+            parent.first_scheduled_time,
+            parent.first_token_time,
+            (finished_time or 0.0) if is_finished else None,
+            num_preemptions,
+            parent.num_cached_tokens,
+            num_output_tokens,
+        )
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = self._prompt_logprobs_to_send(is_delta)
         return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=outputs,
-            finished=is_finished,
-            error=parent.error,
-            metrics=RequestMetrics(
-                arrival_time=parent.arrival_time,
-                first_scheduled_time=parent.first_scheduled_time,
-                first_token_time=parent.first_token_time,
-                finished_time=max(
-                    (s.req.finished_time or 0.0 for s in self.samples.values()), default=None
-                )
-                if is_finished
-                else None,
-                num_preemptions=sum(s.req.num_preemptions for s in self.samples.values()),
-                num_cached_tokens=parent.num_cached_tokens,
-                num_output_tokens=max(s.req.num_output_tokens for s in self.samples.values()),
-            ),
-            prompt_logprobs=self._prompt_logprobs_to_send(is_delta),
+            self.request_id,
+            self.prompt,
+            parent.prompt_token_ids,
+            outputs,
+            is_finished,
+            parent.error,
+            metrics,
+            prompt_logprobs,
         )
 
 
@@ -157,15 +171,20 @@ def _completion(sample: _Sample, is_delta: bool) -> CompletionOutput:
         # hold back what may be the start of a stop string still being completed
         hold = max(len(s) for s in params.stop) - 1
         text = text[: max(0, len(text) - hold)]
-    token_ids = req.output_token_ids
-    logprobs = list(sample.logprobs) if params.logprobs is not None else None
+    logprobs = None
     if is_delta:
         # what is visible only grows: a stop string is found before its start is shown
         start_char, start_token = sample.num_sent_chars, sample.num_sent_tokens
+        token_ids = req.token_ids[req.num_prompt_tokens + start_token :]
         sample.num_sent_chars = max(start_char, len(text))
-        sample.num_sent_tokens = len(token_ids)
-        text, token_ids = text[start_char:], token_ids[start_token:]
-        logprobs = None if logprobs is None else logprobs[start_token:]
+        sample.num_sent_tokens = start_token + len(token_ids)
+        text = text[start_char:]
+        if params.logprobs is not None:
+            logprobs = sample.logprobs[start_token:]
+    else:
+        token_ids = req.output_token_ids
+        if params.logprobs is not None:
+            logprobs = list(sample.logprobs)
     return CompletionOutput(
         index=req.sample_index,
         text=text,
