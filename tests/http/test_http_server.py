@@ -332,6 +332,9 @@ def test_a_client_that_leaves_a_whole_response_aborts_it(model_dir) -> None:
 def test_a_stream_nobody_reads_is_cut_off_after_the_stall_time(model_dir) -> None:
     flags = ("--stall-timeout", "0.5", "--metrics-port", "0")
     with http_server(model_dir("llama"), *flags, fake_runner=True) as served:
+        # steps of 5 ms: the generation (>= 7.5 s) outlasts the stall, which it would not
+        # with tokens scripted as fast as the loop goes
+        served.run(lambda: _slow_steps(served, 0.005))
         # ~20 MB of events: more than the kernel's socket buffers take in unread
         body = json.dumps(
             {"prompt": "Hi", "max_tokens": 1500, "n": 48, "stream": True, "ignore_eos": True}
