@@ -1,12 +1,21 @@
-"""structlog set-up, in one place: JSON lines when stderr is not a terminal, pretty when it is."""
+"""structlog set-up, in one place: JSON lines when stderr is not a terminal, pretty when it is.
+
+`asyncengine serve` logs at INFO; a program that uses the engine as a library (`LLM`,
+`AsyncLLMEngine`) and has not called `configure_logging` logs warnings and errors only, unless
+the environment sets ASYNCENGINE_LOG_LEVEL (as VLLM_LOGGING_LEVEL does for vLLM).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
 import structlog
+
+LOG_LEVEL_ENV = "ASYNCENGINE_LOG_LEVEL"
+LIBRARY_LOG_LEVEL = "WARNING"
 
 _configured = False
 
@@ -18,6 +27,8 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
         json = not sys.stderr.isatty()
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
     numeric_level = logging.getLevelName(level.upper())
+    if not isinstance(numeric_level, int):
+        raise ValueError(f"log level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -34,7 +45,15 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
     _configured = True
 
 
+def default_log_level(default: str = LIBRARY_LOG_LEVEL) -> str:
+    """ASYNCENGINE_LOG_LEVEL when set (checked), else `default`."""
+    level = os.environ.get(LOG_LEVEL_ENV) or default
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ValueError(f"{LOG_LEVEL_ENV} must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
+    return level
+
+
 def get_logger(name: str) -> Any:
     if not _configured:
-        configure_logging()
+        configure_logging(default_log_level())
     return structlog.get_logger(name)

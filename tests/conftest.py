@@ -12,7 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from asyncengine.logging import configure_logging
 from asyncengine.testing import make_random_model
+
+# in-process tests read the engine's INFO events (a library user's default is WARNING)
+configure_logging("INFO")
 
 ModelDirFactory = Callable[..., Path]
 

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +144,39 @@ def test_chat_without_any_template_is_a_clear_error(plain_llm: LLM) -> None:
         plain_llm.chat(HELLO, GREEDY)
     with pytest.raises(ValueError, match="messages is empty"):
         plain_llm.chat([], GREEDY)
+
+
+SCRIPT = """
+from asyncengine import LLM, SamplingParams
+llm = LLM(model={model!r}, device="cpu", dtype="float32", num_gpu_blocks_override=64)
+print(llm.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].text)
+"""
+
+
+def run_script(model: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(model=str(model))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ASYNCENGINE_LOG_LEVEL": "", "OMP_NUM_THREADS": "1", **env},
+    )
+
+
+def test_a_script_using_llm_logs_nothing_below_warning_unless_asked(model_dir) -> None:
+    model = model_dir("llama")
+    quiet = run_script(model)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip()  # it generated
+    assert '"level": "info"' not in quiet.stderr and "engine_started" not in quiet.stderr
+
+    verbose = run_script(model, ASYNCENGINE_LOG_LEVEL="INFO")
+    assert verbose.returncode == 0, verbose.stderr
+    events = [json.loads(line)["event"] for line in verbose.stderr.splitlines() if "{" in line]
+    assert "engine_started" in events
+
+
+def test_a_bad_log_level_in_the_environment_is_named(model_dir) -> None:
+    bad = run_script(model_dir("llama"), ASYNCENGINE_LOG_LEVEL="LOUD")
+    assert bad.returncode != 0
+    assert "ASYNCENGINE_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR, got 'LOUD'" in bad.stderr

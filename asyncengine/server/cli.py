@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from asyncengine.config import EngineArgs
-from asyncengine.logging import configure_logging
+from asyncengine.logging import configure_logging, default_log_level
 from asyncengine.server.options import add_serve_args
 
 if TYPE_CHECKING:
@@ -97,7 +97,10 @@ def _serve(ns: argparse.Namespace, make_engine: EngineFactory | None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncengine", description=__doc__)
-    log_level_help = "DEBUG, INFO, WARNING or ERROR (default: INFO for serve, WARNING otherwise)"
+    log_level_help = (
+        "DEBUG, INFO, WARNING or ERROR (default: $ASYNCENGINE_LOG_LEVEL, else INFO for serve "
+        "and WARNING otherwise)"
+    )
     parser.add_argument("--log-level", default=None, help=log_level_help)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate offline for a few prompts and print them")
@@ -142,7 +145,8 @@ def main(argv: list[str] | None = None, make_engine: EngineFactory | None = None
     `AsyncLLMEngine.from_engine_args` (`python -m asyncengine.testing serve` uses it)."""
     parser = build_parser()
     ns = parser.parse_args(argv)
-    configure_logging(ns.log_level or ("WARNING" if ns.command == "generate" else "INFO"))
+    default = "WARNING" if ns.command == "generate" else "INFO"
+    configure_logging(ns.log_level or default_log_level(default))
     from asyncengine.worker.kv_sizing import KVCacheSizingError
 
     try:
