@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from pathlib import Path
 
@@ -269,3 +270,16 @@ def test_a_request_aborted_before_its_fork_still_ends_n_samples(llm: LLM) -> Non
     assert [(c.index, c.finish_reason, c.token_ids, c.logprobs) for c in final.outputs] == [
         (i, "abort", [], []) for i in range(3)
     ]
+
+
+def test_start_up_freezes_the_heap_it_built_so_full_collections_skip_it(model_dir) -> None:
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(model_dir("llama")), device="cpu"))
+    assert gc.get_freeze_count() > 0
+    tracked = {id(obj) for obj in gc.get_objects()}  # what a full collection walks
+    assert id(engine.tokenizer) not in tracked and id(engine.model_runner) not in tracked
+    # what the steps allocate is still collected
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert id(outputs[-1]) in {id(obj) for obj in gc.get_objects()}

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from tokenizers.decoders import DecodeStream
+
 # decode a few prompt tokens along with the first output so tokenizers that drop a
 # leading space on a lone token (SentencePiece) still produce the right first delta
 _PROMPT_CONTEXT_TOKENS = 5
@@ -41,10 +43,8 @@ def make_detokenizer(tokenizer: Any) -> NewDetokenizer:
 
 def _has_decode_stream() -> bool:
     try:
-        from tokenizers.decoders import DecodeStream
-
         DecodeStream(ids=[], skip_special_tokens=True)  # `ids` came in tokenizers 0.22
-    except (ImportError, TypeError):
+    except TypeError:
         return False
     return True
 
@@ -95,8 +95,6 @@ class StreamDetokenizer:
     def __init__(
         self, backend: Any, decode: Decode, prompt_token_ids: list[int], skip_special_tokens: bool
     ) -> None:
-        from tokenizers.decoders import DecodeStream
-
         self.backend = backend
         self.decode = decode
         self.skip_special_tokens = skip_special_tokens

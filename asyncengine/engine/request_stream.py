@@ -46,11 +46,14 @@ class RequestStream:
         Raises the request's error (invalid, failed, or the engine died) in its place.
         """
         if not self._ready.is_set():
-            try:
-                async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
-                    await self._ready.wait()
-            except TimeoutError:
-                return None
+            if timeout is None:  # (a timeout scope costs a timer: ~4 us per output)
+                await self._ready.wait()
+            else:
+                try:
+                    async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
+                        await self._ready.wait()
+                except TimeoutError:
+                    return None
         if self._error is not None:
             raise self._error
         out, self._pending = self._pending, None
