@@ -61,6 +61,10 @@ class EngineStats:
     num_prefix_cache_hits: int  # of those, found cached
 
 
+def _no_logprobs(request_id: str) -> None:
+    return None
+
+
 def _freeze_heap() -> None:
     """Keep the collector's full passes off what start-up built.
 
@@ -300,6 +304,7 @@ class LLMEngine:
                 state.on_prompt_logprobs(*scored)
         structured, finish = self.structured, self.scheduler.finish_request
         any_constrained = structured.has_requests
+        logprobs_of = result.logprobs.get if result.logprobs else _no_logprobs
         for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
             state = self._groups[req.group_id]
             changed[req.group_id] = state
@@ -314,7 +319,7 @@ class LLMEngine:
                     self._fail(state, "structured output", repr(exc))
                     continue
             try:
-                state.on_token(req, result.logprobs.get(req.request_id), finish)
+                state.on_token(req, logprobs_of(req.request_id), finish)
             except Exception as exc:
                 self._fail(state, "detokenizing or stop checks", repr(exc))
         outputs = []

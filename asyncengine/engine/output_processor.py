@@ -72,13 +72,15 @@ class RequestState:
 
     def on_token(self, req: Request, logprobs: Logprobs | None, finish: FinishRequest) -> None:
         """Take a sample's new token: detokenize it and end the sample on a stop string."""
-        if req.sample_index not in self.samples:
+        sample = self.samples.get(req.sample_index)
+        if sample is None:  # a forked sample's first token
             self.add_sample(req)
-        sample = self.samples[req.sample_index]
+            sample = self.samples[req.sample_index]
         if logprobs is not None:
             sample.logprobs.append(logprobs)
-        delta = sample.detokenizer.decode_next(req.token_ids, is_final=req.is_finished)
-        sample.text += delta
+        delta = sample.detokenizer.decode_next(req.token_ids, req.is_finished)
+        if delta:
+            sample.text += delta
         params = req.sampling_params
         if not params.stop or req.num_output_tokens < params.min_tokens:
             return
