@@ -457,3 +457,43 @@ def test_client_imports_neither_torch_nor_the_server() -> None:
         "assert not {'torch', 'transformers', 'asyncengine'} & set(sys.modules), sys.modules"
     )
     subprocess.run([sys.executable, "-c", check], check=True, timeout=30)
+
+
+# what grpc (C core) reported for a stream whose replica was SIGKILLed behind each balancer
+# (docs/operations.md, "Death"), and a status of the server's own that must keep its type
+LOST_STREAMS = [
+    (grpc.StatusCode.UNKNOWN, "Stream removed (Data frame with END_STREAM flag received)"),
+    (
+        grpc.StatusCode.INTERNAL,
+        "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))",
+    ),
+    (
+        grpc.StatusCode.CANCELLED,
+        "Stream removed (RST_STREAM (Received RST_STREAM with error code 8))",
+    ),
+]
+
+
+@pytest.mark.parametrize(("code", "details"), LOST_STREAMS)
+def test_a_stream_lost_behind_a_balancer_is_unavailable_whatever_the_balancer_said(
+    code: grpc.StatusCode, details: str
+) -> None:
+    from asyncengine_client.errors import STREAM_LOST, error_from_rpc
+
+    lost = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    error = error_from_rpc(lost)
+    assert isinstance(error, UnavailableError) and error.reason == STREAM_LOST
+    assert error.code == code  # what grpc said stays visible
+
+
+def test_a_status_the_server_sent_is_never_taken_for_a_lost_stream_whatever_its_words() -> None:
+    from asyncengine_client.errors import AsyncEngineError, error_from_rpc
+
+    words = "Stream removed (a server's message may say anything)"
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message=words)
+    trailers = grpc.aio.Metadata(*rpc_status.to_status(status).trailing_metadata)
+    failed = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), trailers, status.message
+    )
+    error = error_from_rpc(failed)
+    assert type(error) is AsyncEngineError and error.reason is None

@@ -36,7 +36,9 @@ class OverloadedError(AsyncEngineError):
 
 
 class UnavailableError(AsyncEngineError):
-    """UNAVAILABLE: no server reachable, not ready, or draining."""
+    """UNAVAILABLE: no server reachable, not ready, or draining; or (reason STREAM_LOST) the
+    server was lost under a stream, which a balancer reports in its own words: send the
+    request again, elsewhere."""
 
 
 class AuthError(AsyncEngineError):
@@ -83,5 +85,19 @@ def error_from_rpc(exc: grpc.RpcError) -> AsyncEngineError:
             error_info = error_details_pb2.ErrorInfo()
             detail.Unpack(error_info)
             reason = error_info.reason
+    if status is None and _is_stream_lost(code, message):
+        return UnavailableError(code, message, reason=STREAM_LOST)
     error_type = _ERROR_TYPES.get(code, AsyncEngineError)
     return error_type(code, message, field=field, reason=reason, retry_delay_s=retry_delay_s)
+
+
+# The server's own statuses always carry google.rpc details; these come from the transport when
+# the replica behind a balancer dies mid-stream (measured in docs/operations.md): HAProxy 2.6 ends
+# the stream with no trailers, nginx and HAProxy 3 reset it.
+STREAM_LOST = "STREAM_LOST"
+_LOST_STREAM_DETAILS = ("Stream removed", "Received RST_STREAM")
+
+
+def _is_stream_lost(code: grpc.StatusCode, message: str) -> bool:
+    lost_codes = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
+    return code in lost_codes and any(words in message for words in _LOST_STREAM_DETAILS)
