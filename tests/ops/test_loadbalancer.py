@@ -30,6 +30,8 @@ import grpc
 import kubernetes_validate
 import pytest
 import yaml
+from asyncengine_client import UnavailableError
+from asyncengine_client.errors import error_from_rpc
 from grpc_health.v1 import health_pb2
 
 from asyncengine.server.cli import build_parser
@@ -110,6 +112,7 @@ class Stream:
     finish_reason: int | None = None
     code: grpc.StatusCode | None = None
     details: str = ""
+    error: grpc.aio.AioRpcError | None = None
     started_at: float = 0.0
 
 
@@ -130,6 +133,7 @@ async def run_stream(
         stream.code = grpc.StatusCode.OK
     except grpc.aio.AioRpcError as error:
         stream.code, stream.details = error.code(), error.details() or ""
+        stream.error = error
         # an error before any message comes as trailers alone: the header is among them
         stream.replica = stream.replica or error.trailing_metadata().get(REPLICA_HEADER)
     return stream
@@ -283,6 +287,9 @@ def test_a_replica_killed_under_100_streams(cluster: Any) -> None:
         else:  # cut off on the killed replica, after a prefix of its text
             assert is_cut_off(s) and s.replica in (None, victim.name), s
             assert alone[s.prompt].startswith(s.text), s
+            # and the project's client says it plainly: the replica is gone, send it again
+            assert s.error is not None
+            assert isinstance(error_from_rpc(s.error), UnavailableError), s
     assert cut, "no stream was in flight on the killed replica"
     # the calls made after the kill never saw it: refused connections were sent to the survivor
     launched_after = streams[killed_after:]
