@@ -1,0 +1,44 @@
+"""Prepacked CPU linears: the same product as `F.linear`, through a bounded set of row counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from asyncengine.worker.cpu_linear import PackedLinear, _can_pack, padded_rows
+
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 here"
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (5, 64), (3, 7, 64), (17, 64), (333, 64)])
+def test_a_packed_linear_is_f_linear_whatever_the_row_count(dtype, shape) -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True).to(dtype)
+    if not _can_pack(linear):
+        pytest.skip("oneDNN cannot pack this dtype here")
+    x = torch.randn(*shape, dtype=dtype)
+    with torch.inference_mode():
+        expected = nn.functional.linear(x, linear.weight, linear.bias)
+        got = PackedLinear(linear)(x)
+    assert got.shape == expected.shape == (*shape[:-1], 96)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+def test_row_counts_are_padded_to_a_bounded_set_with_at_most_an_eighth_more() -> None:
+    counts = {rows: padded_rows(rows) for rows in range(1, 8193)}
+    assert all(counts[rows] == rows for rows in range(1, 17))  # a decode of few rows: exact
+    assert all(rows <= padded <= rows * 9 / 8 for rows, padded in counts.items())
+    # oneDNN builds one primitive per count it sees: 8 per doubling, not one per step's size
+    assert len(set(counts.values())) == 16 + 8 * 9
+    assert all(padded_rows(padded) == padded for padded in counts.values())
