@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncengine.engine.timers import LazyTimer
 from asyncengine.outputs import RequestOutput
 
 
@@ -24,6 +25,8 @@ class RequestStream:
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self.is_finished = False  # the final output, or an error, was put
+        self._timed_out = False
+        self._timer: LazyTimer | None = None  # made by the first get() with a timeout
 
     def put(self, out: RequestOutput) -> None:
         if self._error is not None:
@@ -46,17 +49,33 @@ class RequestStream:
         Raises the request's error (invalid, failed, or the engine died) in its place.
         """
         if not self._ready.is_set():
-            if timeout is None:  # (a timeout scope costs a timer: ~4 us per output)
+            if timeout is None:
                 await self._ready.wait()
             else:
+                # one timer per stream, restarted per wait (no task per wait, unlike wait_for,
+                # and no timer set and cancelled per output, unlike asyncio.timeout)
+                if self._timer is None:
+                    self._timer = LazyTimer(self._time_out)
+                self._timer.start(timeout)
                 try:
-                    async with asyncio.timeout(timeout):  # no task per wait, unlike wait_for
-                        await self._ready.wait()
-                except TimeoutError:
+                    await self._ready.wait()
+                finally:
+                    self._timer.stop()
+                timed_out, self._timed_out = self._timed_out, False
+                if timed_out and self._pending is None and self._error is None:
+                    self._ready.clear()
                     return None
         if self._error is not None:
+            if self._timer is not None:
+                self._timer.close()
             raise self._error
         out, self._pending = self._pending, None
         self._ready.clear()
         assert out is not None
+        if out.finished and self._timer is not None:
+            self._timer.close()
         return out
+
+    def _time_out(self) -> None:
+        self._timed_out = True
+        self._ready.set()

@@ -13,6 +13,7 @@ import grpc
 import structlog
 
 from asyncengine.engine.request_stream import RequestStream
+from asyncengine.engine.timers import LazyTimer
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, RequestOutput
@@ -73,19 +74,36 @@ class _Writer:
         self._context = context
         self._state = state
         self.sequence_number = 0
+        # the call's handler: cancelled when a write waits past the stall time
+        self._task = asyncio.current_task()
+        self._stalled = False
+        self._stall_timer = LazyTimer(self._on_stall)  # one timer per call, not per write
 
     async def write(self, msg: pb.GenerateResponse) -> None:
         stall_s = self._state.options.stall_timeout
+        self._stall_timer.start(stall_s)
         try:
-            async with asyncio.timeout(stall_s):
-                await self._context.write(msg)
-        except TimeoutError:
+            await self._context.write(msg)
+        except asyncio.CancelledError:
+            if not self._stalled or self._task is None:
+                raise
+            self._task.uncancel()
             if self._state.metrics is not None:
                 self._state.metrics.on_stalled_stream()
             raise ClientStalledError(
                 f"the client read nothing for {stall_s:g} s (stall_timeout): the call is ended "
                 "and its unread output dropped"
             ) from None
+        finally:
+            self._stall_timer.stop()
+
+    def _on_stall(self) -> None:
+        self._stalled = True
+        if self._task is not None:
+            self._task.cancel()
+
+    def close(self) -> None:
+        self._stall_timer.close()
 
     def next_sequence_number(self) -> int:
         self.sequence_number += 1
@@ -122,6 +140,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     await abort_rpc(context, exc, has_partial_output=outcome.num_deltas > 0)
                 raise
             finally:
+                writer.close()
                 await self._close(flight, outcome)
 
     async def Generate(
