@@ -27,8 +27,9 @@ NewDetokenizer = Callable[[list[int], bool], Detokenizer]
 def make_detokenizer(tokenizer: Any) -> NewDetokenizer:
     """The fastest detokenizer that gives exactly the text `tokenizer.decode` gives.
 
-    A fast tokenizer's own `DecodeStream` (tokenizers >= 0.22) decodes each new token with one
-    call into Rust; otherwise `IncrementalDetokenizer` decodes twice per token.
+    A fast tokenizer's own `DecodeStream` decodes each new token with one call into Rust;
+    otherwise (a slow tokenizer, one that cleans up spaces, or a tokenizers release whose
+    `DecodeStream` takes no prompt ids) `IncrementalDetokenizer` decodes twice per token.
     """
     decode = make_decode(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -43,7 +44,7 @@ def make_detokenizer(tokenizer: Any) -> NewDetokenizer:
 
 def _has_decode_stream() -> bool:
     try:
-        DecodeStream(ids=[], skip_special_tokens=True)  # `ids` came in tokenizers 0.22
+        DecodeStream(ids=[], skip_special_tokens=True)  # `ids`: not in the first releases
     except TypeError:
         return False
     return True

@@ -294,14 +294,8 @@ class LLMEngine:
         for req in plan.rejected:
             if (state := self._groups.get(req.group_id)) is not None:
                 changed[req.group_id] = state
-        for req in plan.scheduled if result.failures or result.prompt_logprobs else ():
-            failure = result.failures.get(req.request_id)
-            if failure is not None and (state := self._groups.get(req.group_id)) is not None:
-                self._fail(state, "sampling", failure)
-                changed[req.group_id] = state
-            scored = result.prompt_logprobs.get(req.request_id)
-            if scored is not None and (state := self._groups.get(req.group_id)) is not None:
-                state.on_prompt_logprobs(*scored)
+        if result.failures or result.prompt_logprobs:  # most steps have neither
+            self._take_failures_and_prompt_logprobs(plan, result, changed)
         structured, finish = self.structured, self.scheduler.finish_request
         any_constrained = structured.has_requests
         logprobs_of = result.logprobs.get if result.logprobs else _no_logprobs
@@ -331,6 +325,18 @@ class LLMEngine:
                 self._forget(state)
             outputs.append(out)
         return outputs
+
+    def _take_failures_and_prompt_logprobs(
+        self, plan: SchedulerOutput, result: ModelRunnerOutput, changed: dict[str, RequestState]
+    ) -> None:
+        for req in plan.scheduled:
+            failure = result.failures.get(req.request_id)
+            if failure is not None and (state := self._groups.get(req.group_id)) is not None:
+                self._fail(state, "sampling", failure)
+                changed[req.group_id] = state
+            scored = result.prompt_logprobs.get(req.request_id)
+            if scored is not None and (state := self._groups.get(req.group_id)) is not None:
+                state.on_prompt_logprobs(*scored)
 
     def _fail(self, state: RequestState, stage: str, cause: str) -> None:
         """End one request with an error: the cause is logged, never sent to its caller."""

@@ -144,26 +144,26 @@ class RequestState:
             ]
             outputs.sort(key=lambda c: c.index)
         metrics = RequestMetrics(
-            parent.arrival_time,
-            parent.first_scheduled_time,
-            parent.first_token_time,
-            (finished_time or 0.0) if is_finished else None,
-            num_preemptions,
-            parent.num_cached_tokens,
-            num_output_tokens,
+            arrival_time=parent.arrival_time,
+            first_scheduled_time=parent.first_scheduled_time,
+            first_token_time=parent.first_token_time,
+            finished_time=(finished_time or 0.0) if is_finished else None,
+            num_preemptions=num_preemptions,
+            num_cached_tokens=parent.num_cached_tokens,
+            num_output_tokens=num_output_tokens,
         )
         prompt_logprobs = None
         if self.prompt_logprobs is not None:
             prompt_logprobs = self._prompt_logprobs_to_send(is_delta)
         return RequestOutput(
-            self.request_id,
-            self.prompt,
-            parent.prompt_token_ids,
-            outputs,
-            is_finished,
-            parent.error,
-            metrics,
-            prompt_logprobs,
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=is_finished,
+            error=parent.error,
+            metrics=metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
