@@ -40,7 +40,7 @@ Result = dict[str, Any]
 def serving_throughput(model: Result | None, fake: Result | None, out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     if model:
-        rows = model["results"]
+        rows = grpc_rows(model)
         n = [r["concurrency"] for r in rows]
         tokens = rows[0]["output_tokens"] // rows[0]["requests"]
         axes[0].plot(n, [r["tokens_per_s"] for r in rows], "o-",
@@ -48,15 +48,15 @@ def serving_throughput(model: Result | None, fake: Result | None, out: Path) -> 
         axes[0].set_title("small model on CPU, through gRPC")
         axes[0].legend(loc="upper left")
     if fake:
-        rows = fake["results"]
+        rows = grpc_rows(fake)
         n = [r["concurrency"] for r in rows]
         axes[1].plot(n, [r["in_process_tokens_per_s"] for r in rows], "o-",
                      label="in-process AsyncLLMEngine")  # fmt: skip
         axes[1].plot(n, [r["tokens_per_s"] for r in rows], "s-", label="served over gRPC")
         axes[1].set_title("fake runner: what the loop and the server cost")
         axes[1].legend()
-    for ax in axes:
-        concurrency_axis(ax, (model or fake or {"results": []})["results"])
+    for ax, result in zip(axes, (model, fake), strict=True):
+        concurrency_axis(ax, grpc_rows(result) if result else [])
         ax.set_ylabel("tokens/s")
         ax.set_ylim(bottom=0)
     fig.tight_layout()
@@ -65,7 +65,7 @@ def serving_throughput(model: Result | None, fake: Result | None, out: Path) -> 
 
 
 def serving_latency(model: dict[str, Any], out: Path) -> None:
-    rows = model["results"]
+    rows = grpc_rows(model)
     n = [r["concurrency"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, title in ((axes[0], "ttft", "time to first token"),
@@ -80,6 +80,11 @@ def serving_latency(model: dict[str, Any], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def grpc_rows(result: Result) -> list[dict[str, Any]]:
+    """The gRPC rows of a serving.py result (runs before --protocols have no protocol)."""
+    return [r for r in result["results"] if r.get("protocol", "grpc") == "grpc"]
 
 
 def concurrency_axis(ax: Any, rows: list[dict[str, Any]]) -> None:
