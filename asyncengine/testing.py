@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,23 @@ def _init_weights(model: PreTrainedModel) -> None:
 
 
 # -- test hooks for `asyncengine serve` ------------------------------------------------------
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports on 127.0.0.1 for servers a test or benchmark starts.
+
+    They are held open together while chosen: ports picked one at a time can repeat, and two
+    listeners with SO_REUSEPORT (HAProxy's frontends) then share one port, the kernel
+    splitting connections between them.
+    """
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def fake_engine(engine_args: Any) -> Any:

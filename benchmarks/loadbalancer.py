@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from serving import SMALL_MODEL, Sample, free_port, one_request, prompts, summarize
+from serving import SMALL_MODEL, Sample, free_ports, one_request, prompts, summarize
 
 from asyncengine.v1 import generation_pb2_grpc
 
@@ -91,8 +91,9 @@ def run(ns: argparse.Namespace, model: str, run_dir: Path) -> list[dict[str, Any
     command = launch.default_serve_command()
     if ns.fake_runner:
         command = [sys.executable, "-m", "asyncengine.testing", "serve", "--fake-runner"]
-    ports = [(free_port(), free_port(), None) for _ in range(ns.replicas)]
-    cluster = launch.Cluster(ports, free_port(), free_port(), free_port(), run_dir,
+    free = iter(free_ports(2 * ns.replicas + 3))
+    ports = [(next(free), next(free), None) for _ in range(ns.replicas)]
+    cluster = launch.Cluster(ports, next(free), next(free), next(free), run_dir,
                              serve_command=command, serve_flags=flags,
                              env={"OMP_NUM_THREADS": str(ns.threads)})  # fmt: skip
     from transformers import AutoConfig

@@ -75,18 +75,24 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports, held open together while chosen (one at a time, a port
+    can come back twice). Not asyncengine.testing's: this module's clients never import torch."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 class Server:
     """`asyncengine serve` on 127.0.0.1; stderr to a log file shown if it fails."""
 
     def __init__(self, model: str, flags: list[str], log_dir: str) -> None:
-        self.port = free_port()
-        self.http_port = free_port()
+        self.port, self.http_port = free_ports(2)
         self.log_path = Path(log_dir) / f"server-{self.port}.log"
         script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
         command = [script, "serve"] if script else [sys.executable, "-m", "asyncengine.server.cli",

@@ -13,7 +13,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from asyncengine.testing import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -100,12 +101,6 @@ def wait_serving(target: str, process: subprocess.Popen[bytes], timeout: float =
     raise AssertionError("the server did not become SERVING")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class Served:
     grpc: int
@@ -115,7 +110,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     serve = code_blocks("bash")[0].strip().rsplit("&&", 1)[1].strip()
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     ports = ["--port", str(port), "--http-port", str(http_port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(

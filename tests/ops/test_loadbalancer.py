@@ -15,7 +15,6 @@ import http.client
 import importlib.util
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from asyncengine_client.errors import error_from_rpc
 from grpc_health.v1 import health_pb2
 
 from asyncengine.server.cli import build_parser
+from asyncengine.testing import free_ports
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
 
@@ -50,12 +50,6 @@ REPLICA_HEADER = "x-asyncengine-replica"  # set by haproxy.cfg: the server that 
 PROMPTS = [[3 + 7 * i, 40 + i, 100 + 5 * i] for i in range(10)]
 NUM_STREAMS = 100
 STREAM_TOKENS = 64
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def load_launcher() -> Any:
@@ -84,11 +78,12 @@ def cluster(haproxy: str, model_dir: Callable[..., Path], tmp_path: Path) -> Ite
     started: list[Any] = []
 
     def make(*, http: bool = False) -> Any:
-        ports = [(free_port(), free_port(), free_port() if http else None) for _ in range(2)]
+        free = iter(free_ports(9))
+        ports = [(next(free), next(free), next(free) if http else None) for _ in range(2)]
         flags = ["--model", str(model_dir("llama")), "--device", "cpu", "--dtype", "float32",
                  "--torch-threads", "1", "--drain-grace-period", "30"]  # fmt: skip
         made = launch.Cluster(
-            ports, free_port(), free_port(), free_port(), tmp_path / f"cluster{len(started)}",
+            ports, next(free), next(free), next(free), tmp_path / f"cluster{len(started)}",
             serve_flags=flags, env={"OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         started.append(made)
