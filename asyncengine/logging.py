@@ -18,11 +18,12 @@ LOG_LEVEL_ENV = "ASYNCENGINE_LOG_LEVEL"
 LIBRARY_LOG_LEVEL = "WARNING"
 
 _configured = False
+_settings: tuple[str, bool] | None = None  # configure_logging's (level, json), once called
 
 
 def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
     """Route structlog (and stdlib logging) to stderr at `level`; JSON unless on a terminal."""
-    global _configured
+    global _configured, _settings
     if json is None:
         json = not sys.stderr.isatty()
     renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer()
@@ -43,6 +44,12 @@ def configure_logging(level: str = "INFO", json: bool | None = None) -> None:
     )
     logging.basicConfig(level=numeric_level, stream=sys.stderr, format="%(message)s")
     _configured = True
+    _settings = (level, json)
+
+
+def logging_settings() -> tuple[str, bool] | None:
+    """How this process logs, for a child process to log the same way (None: not set up)."""
+    return _settings
 
 
 def default_log_level(default: str = LIBRARY_LOG_LEVEL) -> str:

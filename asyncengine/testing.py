@@ -7,6 +7,7 @@ token for token without downloading anything.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import socket
@@ -361,9 +362,8 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def fake_engine(engine_args: Any) -> Any:
-    """An AsyncLLMEngine whose runner scripts tokens instantly (benchmarks, balancing tests)."""
-    from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+def fake_llm_engine(engine_args: Any) -> Any:
+    """An LLMEngine whose runner scripts tokens instantly (benchmarks, balancing tests)."""
     from asyncengine.engine.llm_engine import LLMEngine
     from asyncengine.logging import get_logger
     from asyncengine.worker.fake_runner import FakeModelRunner, count_up
@@ -371,12 +371,19 @@ def fake_engine(engine_args: Any) -> Any:
     config = engine_args.create_engine_config()
     vocab_size = int(config.model_config.hf_config.vocab_size)
     get_logger(__name__).warning("fake_runner", note="tokens are scripted; the model does not run")
-    return AsyncLLMEngine(LLMEngine(config, FakeModelRunner(config, count_up(vocab_size))))
+    return LLMEngine(config, FakeModelRunner(config, count_up(vocab_size)))
+
+
+def fake_engine(engine_args: Any) -> Any:
+    """An in-process AsyncLLMEngine over `fake_llm_engine`."""
+    from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+
+    return AsyncLLMEngine(fake_llm_engine(engine_args))
 
 
 def fail_after_steps(engine: Any, fault_at: int) -> Any:
-    """Make the engine's `fault_at`-th step (and every later one) raise: the engine dies."""
-    execute, num_steps = engine.engine.execute, 0
+    """Make the LLMEngine's `fault_at`-th step (and every later one) raise: the engine dies."""
+    execute, num_steps = engine.execute, 0
 
     def failing_execute(plan: Any) -> Any:
         nonlocal num_steps
@@ -385,32 +392,60 @@ def fail_after_steps(engine: Any, fault_at: int) -> Any:
             raise RuntimeError(f"injected fault at step {fault_at}")
         return execute(plan)
 
-    engine.engine.execute = failing_execute
+    engine.execute = failing_execute
+    return engine
+
+
+def hooked_llm_engine(
+    engine_args: Any,
+    fake_runner: bool = False,
+    fault_at: int | None = None,
+    step_delay_s: float = 0.0,
+) -> Any:
+    """The LLMEngine the test hooks ask for: scripted tokens, a fault at the `fault_at`-th
+    step, `step_delay_s` more per step. Module-level, so an engine process can build it."""
+    import time
+
+    from asyncengine.engine.llm_engine import LLMEngine
+
+    make = fake_llm_engine if fake_runner else LLMEngine.from_engine_args
+    engine: Any = make(engine_args)
+    if fault_at is not None:
+        fail_after_steps(engine, fault_at)
+    if step_delay_s:
+        execute = engine.execute
+
+        def slow_execute(plan: Any) -> Any:
+            time.sleep(step_delay_s)
+            return execute(plan)
+
+        engine.execute = slow_execute
     return engine
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    """`python -m asyncengine.testing serve ...`: `asyncengine serve` with two test hooks,
-    `--fake-runner` (scripted tokens, no model) and `--fault-after-steps N` (the Nth step
-    raises). Never for production: the hooks exist to test and measure the server itself."""
+    """`python -m asyncengine.testing serve ...`: `asyncengine serve` with three test hooks,
+    `--fake-runner` (scripted tokens, no model), `--fault-after-steps N` (the Nth step
+    raises) and `--step-delay S` (every step takes S seconds more). Never for production:
+    the hooks exist to test and measure the server itself."""
     import argparse
     import sys
 
-    from asyncengine.engine.async_llm_engine import AsyncLLMEngine
     from asyncengine.server import cli
 
     hooks = argparse.ArgumentParser(add_help=False)
     hooks.add_argument("--fake-runner", action="store_true")
     hooks.add_argument("--fault-after-steps", type=int, default=None)
+    hooks.add_argument("--step-delay", type=float, default=0.0)
     ns, rest = hooks.parse_known_args(sys.argv[1:] if argv is None else argv)
 
-    def make_engine(args: Any) -> Any:
-        engine = fake_engine(args) if ns.fake_runner else AsyncLLMEngine.from_engine_args(args)
-        if ns.fault_after_steps is not None:
-            fail_after_steps(engine, ns.fault_after_steps)
-        return engine
-
-    return cli.main(rest, make_engine)
+    factory = functools.partial(
+        hooked_llm_engine,
+        fake_runner=ns.fake_runner,
+        fault_at=ns.fault_after_steps,
+        step_delay_s=ns.step_delay,
+    )
+    return cli.main(rest, factory)
 
 
 if __name__ == "__main__":

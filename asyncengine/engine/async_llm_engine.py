@@ -14,6 +14,7 @@ from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.request import FinishReason
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.engine.request_stream import RequestStream
+from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.errors import (
     DuplicateRequestError,
     EngineDeadError,
@@ -54,6 +55,21 @@ class EngineObserver(Protocol):
         and the seconds its grammar took to compile (None: it came from the cache)."""
 
 
+class EngineFront(Protocol):
+    """What the front door needs of the engine: its config, tokenizer and validator.
+
+    `LLMEngine` is one; a step loop in another process leaves a copy here (core_process).
+    """
+
+    config: EngineConfig
+    tokenizer: Any
+    validator: RequestValidator
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+
 class AsyncLLMEngine:
     """The one engine interface every front end uses (gRPC, HTTP, `async for` in-process).
 
@@ -70,6 +86,13 @@ class AsyncLLMEngine:
         observer: EngineObserver | None = None,
     ) -> None:
         self.engine = engine  # for tests and benchmarks; front ends use the methods below
+        self._init_front(engine, step_timeout_s, observer)
+
+    def _init_front(
+        self, front: EngineFront, step_timeout_s: float, observer: EngineObserver | None
+    ) -> None:
+        """What every AsyncLLMEngine has, wherever its steps run."""
+        self._front = front
         self.step_timeout_s = step_timeout_s
         self.observer = observer
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-step")
@@ -94,32 +117,32 @@ class AsyncLLMEngine:
 
     @property
     def config(self) -> EngineConfig:
-        return self.engine.config
+        return self._front.config
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self._front.vocab_size
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return self.engine.eos_token_ids
+        return self._front.eos_token_ids
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.config.model_config.max_model_len
+        return self._front.config.model_config.max_model_len
 
     @property
     def max_num_seqs(self) -> int:
-        return self.engine.config.scheduler_config.max_num_seqs
+        return self._front.config.scheduler_config.max_num_seqs
 
     @property
     def capacity_tokens(self) -> int:
         """Tokens the KV cache holds at once, all requests together."""
-        return self.engine.validator.cache_capacity
+        return self._front.validator.cache_capacity
 
     def get_tokenizer(self) -> Any:
         """The Hugging Face tokenizer; `tokenize`/`detokenize` run it off the event loop."""
-        return self.engine.tokenizer
+        return self._front.tokenizer
 
     # -- state -------------------------------------------------------------------------------
 
@@ -190,15 +213,17 @@ class AsyncLLMEngine:
         self._start()
         if request_id in self._streams:
             raise DuplicateRequestError(request_id)
-        validator = self.engine.validator
+        validator = self._front.validator
         validator.check_inputs(request_id, prompt, sampling_params, cache_salt)
         stream = RequestStream(
-            request_id, is_delta=sampling_params.output_kind is RequestOutputKind.DELTA
+            request_id,
+            is_delta=sampling_params.output_kind is RequestOutputKind.DELTA,
+            num_samples=sampling_params.n,
         )
         self._streams[request_id] = stream
         try:
             if isinstance(prompt, str):
-                token_ids = await self._off_loop(self.engine.tokenize, prompt)
+                token_ids = await self._off_loop(self._front.tokenize, prompt)
             else:
                 token_ids = list(prompt)
             if self._streams.get(request_id) is not stream:  # aborted while tokenizing
@@ -213,27 +238,35 @@ class AsyncLLMEngine:
                 tenant,
                 strict_max_tokens,
             )
-            # a constrained request waits here, off the loop and out of the scheduler, until
-            # its grammar is compiled; an invalid one raises InvalidRequestError naming it
-            constraint = None
-            if sampling_params.structured_outputs is not None:
-                constraint = await asyncio.get_running_loop().run_in_executor(
-                    self._grammar_pool, validator.check_structured_outputs, sampling_params
-                )
-                if self._streams.get(request_id) is not stream:  # aborted while compiling
-                    return _aborted(stream, prompt, token_ids, sampling_params)
-            self.check_health()
-            self.engine.add_validated_request(validated, constraint=constraint)
             stream.prompt, stream.prompt_token_ids = validated.prompt, validated.prompt_token_ids
-            if constraint is not None and self.observer is not None:
-                self.observer.on_structured_request(constraint.kind, constraint.compile_s)
+            if not await self._queue(validated, stream):  # aborted while compiling
+                return _aborted(stream, prompt, token_ids, sampling_params)
         except BaseException:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
             raise
+        return stream
+
+    async def _queue(self, validated: ValidatedRequest, stream: RequestStream) -> bool:
+        """Hand a validated request to the scheduler; False if it was aborted meanwhile.
+
+        A constrained request waits here, off the loop and out of the scheduler, until its
+        grammar is compiled; an invalid one raises InvalidRequestError naming it.
+        """
+        params, constraint = validated.sampling_params, None
+        if params.structured_outputs is not None:
+            constraint = await asyncio.get_running_loop().run_in_executor(
+                self._grammar_pool, self.engine.validator.check_structured_outputs, params
+            )
+            if self._streams.get(validated.request_id) is not stream:
+                return False
+        self.check_health()
+        self.engine.add_validated_request(validated, constraint=constraint)
         assert self._has_work is not None
         self._has_work.set()
-        return stream
+        if constraint is not None and self.observer is not None:
+            self.observer.on_structured_request(constraint.kind, constraint.compile_s)
+        return True
 
     async def generate(
         self,
@@ -288,15 +321,15 @@ class AsyncLLMEngine:
 
         A text over max_prompt_bytes raises `InvalidRequestError` (field "text") untouched.
         """
-        self.engine.validator.check_text_size("text", text)
-        tokenizer = self.engine.tokenizer
+        self._front.validator.check_text_size("text", text)
+        tokenizer = self._front.tokenizer
         return await self._off_loop(lambda: tokenizer(text, **kwargs))
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of `token_ids`, off the event loop; an id outside the vocabulary raises
         `InvalidRequestError` (field "token_ids")."""
-        self.engine.validator.check_token_ids("token_ids", token_ids)
-        tokenizer = self.engine.tokenizer
+        self._front.validator.check_token_ids("token_ids", token_ids)
+        tokenizer = self._front.tokenizer
         text = await self._off_loop(
             lambda: tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         )
@@ -304,7 +337,7 @@ class AsyncLLMEngine:
 
     async def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str]:
         """The vocabulary's token strings of `token_ids`, off the event loop."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self._front.tokenizer
         return list(await self._off_loop(tokenizer.convert_ids_to_tokens, token_ids))
 
     async def _off_loop(self, fn: Callable[..., R], *args: Any) -> R:
@@ -327,7 +360,7 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self.engine.has_unfinished_requests():
-                self._check_every_block_came_back()
+                self.engine.check_every_block_came_back()
                 self._has_work.clear()
                 await self._has_work.wait()
                 continue
@@ -354,18 +387,6 @@ class AsyncLLMEngine:
             logger.debug("step", num_scheduled=len(plan.scheduled), **vars(stats))
             # let the streams run before the next step; the step itself never awaits them
             await asyncio.sleep(0)
-
-    def _check_every_block_came_back(self) -> None:
-        """With no request left, every KV block must be free (cached ones count as free).
-
-        A block still held is a bookkeeping bug that would shrink the cache for good: say so
-        loudly rather than hide it (the check is two counts, so it runs at every idle moment).
-        """
-        stats = self.engine.get_stats()
-        held_gpu = stats.num_gpu_blocks - stats.num_free_gpu_blocks
-        held_cpu = stats.num_cpu_blocks - stats.num_free_cpu_blocks
-        if held_gpu or held_cpu:
-            logger.error("kv_blocks_leaked", gpu_blocks=held_gpu, cpu_blocks=held_cpu)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -439,6 +460,8 @@ def _aborted(
     stream: RequestStream, prompt: str | list[int], token_ids: list[int], params: SamplingParams
 ) -> RequestStream:
     """The stream of a request aborted before the engine queued it: its final output, now."""
+    if stream.is_finished:  # its final output is there already
+        return stream
     stream.prompt = prompt if isinstance(prompt, str) else None
     stream.prompt_token_ids = token_ids
     samples = [CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(params.n)]

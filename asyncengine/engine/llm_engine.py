@@ -65,7 +65,7 @@ def _no_logprobs(request_id: str) -> None:
     return None
 
 
-def _freeze_heap() -> None:
+def freeze_heap() -> None:
     """Keep the collector's full passes off what start-up built.
 
     torch, transformers and the model are millions of long-lived objects; each full collection
@@ -120,7 +120,7 @@ class LLMEngine:
         self._groups: dict[str, RequestState] = {}
         self._last_preemption_warning = -math.inf
         self._num_preempted_unreported = 0
-        _freeze_heap()
+        freeze_heap()
         logger.info(
             "engine_started",
             model=model_config.model,
@@ -207,6 +207,10 @@ class LLMEngine:
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._states
+
+    def in_flight_ids(self) -> list[str]:
+        """The callers' ids of every request in the engine."""
+        return list(self._states)
 
     @property
     def num_requests(self) -> int:
@@ -358,6 +362,18 @@ class LLMEngine:
         self.structured.release(state.group_id)
 
     # -- introspection -----------------------------------------------------------------------
+
+    def check_every_block_came_back(self) -> None:
+        """With no request left, every KV block must be free (cached ones count as free).
+
+        A block still held is a bookkeeping bug that would shrink the cache for good: say so
+        loudly rather than hide it (the check is two counts, so it runs at every idle moment).
+        """
+        stats = self.get_stats()
+        held_gpu = stats.num_gpu_blocks - stats.num_free_gpu_blocks
+        held_cpu = stats.num_cpu_blocks - stats.num_free_cpu_blocks
+        if held_gpu or held_cpu:
+            logger.error("kv_blocks_leaked", gpu_blocks=held_gpu, cpu_blocks=held_cpu)
 
     def get_stats(self) -> EngineStats:
         bm, sched = self.block_manager, self.scheduler

@@ -16,9 +16,10 @@ class RequestStream:
     caller costs one pending output, bounded by its own request's size.
     """
 
-    def __init__(self, request_id: str, is_delta: bool = False) -> None:
+    def __init__(self, request_id: str, is_delta: bool = False, num_samples: int = 1) -> None:
         self.request_id = request_id
         self.is_delta = is_delta
+        self.num_samples = num_samples  # SamplingParams.n
         self.prompt: str | None = None  # the text, when the caller sent text
         self.prompt_token_ids: list[int] = []  # set once the prompt is tokenized
         self._pending: RequestOutput | None = None

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
 from asyncengine.server.convert import FinishReason
@@ -210,8 +211,10 @@ def json_stdlib_logs() -> None:
         handler.setFormatter(formatter)
 
 
-# builds the served engine from the flags (asyncengine.testing injects its hooks this way)
-EngineFactory = Callable[[EngineArgs], AsyncLLMEngine]
+# builds the served LLMEngine from the flags (asyncengine.testing injects its hooks this way);
+# with --engine-process it runs in the engine's process, so it must pickle (a module-level
+# function, or a partial of one)
+EngineFactory = Callable[[EngineArgs], LLMEngine]
 
 
 def check_port_free(options: ServeOptions) -> None:
@@ -230,6 +233,17 @@ def check_port_free(options: ServeOptions) -> None:
                 raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def make_served_engine(
+    engine_args: EngineArgs, options: ServeOptions, make_engine: EngineFactory
+) -> AsyncLLMEngine:
+    """The engine `serve` runs: stepping in its own process (--engine-process), or here."""
+    if options.engine_process:
+        from asyncengine.engine.core_process import ProcessAsyncLLMEngine
+
+        return ProcessAsyncLLMEngine(engine_args, make_engine, torch_threads=options.torch_threads)
+    return AsyncLLMEngine(make_engine(engine_args))
+
+
 def run(
     engine_args: EngineArgs, options: ServeOptions, make_engine: EngineFactory | None = None
 ) -> int:
@@ -246,7 +260,7 @@ def run(
         import torch
 
         torch.set_num_threads(options.torch_threads)
-    engine = (make_engine or AsyncLLMEngine.from_engine_args)(engine_args)
+    engine = make_served_engine(engine_args, options, make_engine or LLMEngine.from_engine_args)
     try:
         import uvloop
     except ImportError:  # Windows

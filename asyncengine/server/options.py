@@ -32,6 +32,7 @@ class ServeOptions:
     keepalive_timeout: float = 10.0
     min_client_ping_interval: float = 10.0
     reflection: bool = True
+    engine_process: bool = True
     torch_threads: int | None = None
     metrics_port: int | None = None
     metrics_host: str | None = None
@@ -162,6 +163,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=defaults.reflection,
         help="serve gRPC server reflection, for grpcurl and gateways (default: %(default)s)",
     )
+    parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.engine_process,
+        help="step the engine in a process of its own, so scheduling and the servers' writes "
+        "run on two cores; --no-engine-process keeps it on the server's event loop "
+        "(default: %(default)s)",
+    )
 
 
 def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
@@ -172,6 +181,7 @@ def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
         auth_tokens=_tokens(ns.auth_token, "ASYNCENGINE_AUTH_TOKENS"),
         control_auth_tokens=_tokens(ns.control_auth_token, "ASYNCENGINE_CONTROL_AUTH_TOKENS"),
         reflection=ns.reflection,
+        engine_process=ns.engine_process,
     )
 
 

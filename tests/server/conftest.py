@@ -33,8 +33,9 @@ FRONT_FLAGS = (
 # name -> (flags, environment)
 SERVER_SPECS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "main": (MAIN_FLAGS, {}),
-    # the main server's flags, for the test that ends its server with SIGTERM
-    "sigterm": (MAIN_FLAGS, {}),
+    # the main server's flags, for the test that ends its server with SIGTERM; 5 ms more per
+    # step, so its long requests cannot finish within the grace period on any machine
+    "sigterm": ((*MAIN_FLAGS, "--step-delay", "0.005"), {}),
     # the test-only fault hook (python -m asyncengine.testing serve): the 150th step raises
     "fault": ((*FAULT_FLAGS, "--fault-after-steps", str(FAULT_AFTER_STEPS)), {}),
     "front": (FRONT_FLAGS, {}),

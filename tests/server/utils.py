@@ -32,7 +32,8 @@ def free_port() -> int:
 
 
 def _serve_command(flags: Sequence[str] = ()) -> list[str]:
-    if {"--fake-runner", "--fault-after-steps"} & set(flags):  # the test hooks' entry point
+    # the test hooks' entry point
+    if {"--fake-runner", "--fault-after-steps", "--step-delay"} & set(flags):
         return [sys.executable, "-m", "asyncengine.testing", "serve"]
     script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
     if script:

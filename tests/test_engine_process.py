@@ -1,0 +1,269 @@
+"""ProcessAsyncLLMEngine: the step loop in its own process, behind the same interface.
+
+The in-process AsyncLLMEngine is the reference: the same requests must give the same outputs
+(and greedy ones the transformers tokens); aborts, faults, a killed process, a hung step,
+grammars and shutdown must end every stream with its final output or an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import random
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from asyncengine import (
+    AsyncLLMEngine,
+    DuplicateRequestError,
+    EngineArgs,
+    EngineDeadError,
+    InvalidRequestError,
+    SamplingParams,
+)
+from asyncengine.engine.core_process import ProcessAsyncLLMEngine
+from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import RequestOutputKind, StructuredOutputsParams
+from asyncengine.testing import hooked_llm_engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def engine_args(model_dir, **overrides: Any) -> EngineArgs:
+    values = {"model": str(model_dir("llama")), "device": "cpu", "dtype": "float32"}
+    return EngineArgs(**(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """One engine process for the tests that leave it healthy (each runs its own event loop)."""
+    engine = ProcessAsyncLLMEngine(
+        engine_args(model_dir, block_size=8, num_gpu_blocks_override=64), torch_threads=1
+    )
+    yield engine
+    asyncio.run(engine.shutdown())
+    assert not engine._process.is_alive()
+
+
+async def collect(engine, prompt, params, request_id: str) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, request_id=request_id)]
+
+
+def assert_nothing_left(engine: ProcessAsyncLLMEngine) -> None:
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert engine.num_requests == 0
+
+
+REQUESTS: list[tuple[Any, SamplingParams]] = [
+    ("재미있는 이야기 들려줘", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)),
+    ([5, 9, 200, 31, 7], SamplingParams(temperature=0.9, seed=3, max_tokens=20)),
+    ("the block table", SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12)),
+    ("hello", SamplingParams(temperature=0, max_tokens=16, logprobs=3, prompt_logprobs=2)),
+    (
+        "stop here",
+        SamplingParams(
+            temperature=0.7,
+            seed=5,
+            max_tokens=30,
+            stop=["e"],
+            output_kind=RequestOutputKind.DELTA,
+        ),
+    ),
+    (
+        "final only",
+        SamplingParams(temperature=0, max_tokens=9, output_kind=RequestOutputKind.FINAL_ONLY),
+    ),
+]
+
+
+def test_the_same_outputs_as_in_process_and_greedy_matches_transformers(
+    model_dir, engine, hf_greedy
+) -> None:
+    reference = AsyncLLMEngine.from_engine_args(
+        engine_args(model_dir, block_size=8, num_gpu_blocks_override=64)
+    )
+
+    async def in_process() -> list[list[RequestOutput]]:
+        results = await asyncio.gather(
+            *(collect(reference, p, sp, f"r{i}") for i, (p, sp) in enumerate(REQUESTS))
+        )
+        await reference.shutdown()
+        return list(results)
+
+    async def in_child() -> list[list[RequestOutput]]:
+        results = await asyncio.gather(
+            *(collect(engine, p, sp, f"r{i}") for i, (p, sp) in enumerate(REQUESTS))
+        )
+        assert_nothing_left(engine)
+        return list(results)
+
+    expected, got = asyncio.run(in_process()), asyncio.run(in_child())
+    for i, (want, have) in enumerate(zip(expected, got)):
+        assert [o.finished for o in have] == [o.finished for o in want], i
+        # timings differ; everything else the caller reads is the same
+        for w, h in zip(want, have):
+            w.metrics = h.metrics = None
+        assert have == want, f"request {i}"
+    prompt_ids = got[0][-1].prompt_token_ids
+    assert got[0][-1].outputs[0].token_ids == hf_greedy(model_dir("llama"), prompt_ids, 24)
+
+
+def test_a_third_cancelled_mid_stream_and_every_block_comes_back(engine) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 30))] for _ in range(60)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    async def consume(i: int) -> int:
+        count = 0
+        async for out in engine.generate(prompts[i], params, request_id=f"c{i}"):
+            count = len(out.outputs[0].token_ids)
+            if i % 3 == 0 and count >= i % 5:
+                break  # leaving the loop aborts it
+        return count
+
+    async def main() -> list[int]:
+        tasks = [asyncio.create_task(consume(i)) for i in range(60)]
+        await asyncio.sleep(0.01)
+        for task in tasks[1::7]:
+            task.cancel()  # some while still queued
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the generators' finalizers run, the aborts come back
+        await engine.abort([])  # one round trip: every abort sent before it is done
+        assert_nothing_left(engine)
+        return [r for r in results if isinstance(r, int)]
+
+    counts = asyncio.run(main())
+    assert counts.count(16) >= 30
+
+
+def test_abort_returns_with_the_blocks_free_and_the_id_can_be_used_again(engine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> None:
+        stream = await engine.add_request("again", "a long one", params)
+        first = await stream.get()
+        assert first is not None and not first.finished
+        assert engine.request_phase("again") in ("queued", "prefill", "decode")
+        assert await engine.abort("again") == ["again"]
+        assert_nothing_left(engine)
+        final = None
+        while final is None or not final.finished:
+            final = await stream.get()
+        assert final.outputs[0].finish_reason == "abort"
+        with pytest.raises(DuplicateRequestError):
+            stream2 = await engine.add_request("twice", "x", params)
+            await engine.add_request("twice", "y", params)
+        await engine.abort("twice")
+        del stream2
+        # the id is free at once after its abort
+        outs = await collect(engine, "a long one", SamplingParams(max_tokens=3), "again")
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
+
+
+def test_bad_input_is_refused_before_the_child_sees_it(engine) -> None:
+    async def main() -> None:
+        with pytest.raises(InvalidRequestError, match="empty"):
+            await collect(engine, "", SamplingParams(max_tokens=2), "empty")
+        with pytest.raises(InvalidRequestError) as info:
+            await collect(engine, [10**6], SamplingParams(max_tokens=2), "oov")
+        assert info.value.field == "prompt"
+        bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+        with pytest.raises(InvalidRequestError) as info:
+            await collect(engine, "x", bad, "bad-regex")
+        assert "compile" in str(info.value)
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
+
+
+def test_structured_outputs_compile_in_the_child_and_abort_while_compiling(engine) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = SamplingParams(
+        temperature=0.8,
+        seed=1,
+        max_tokens=60,
+        structured_outputs=StructuredOutputsParams(json=json.dumps(schema)),
+    )
+
+    async def main() -> None:
+        outs = await collect(engine, "json please", constrained, "json")
+        final = outs[-1].outputs[0]
+        if final.finish_reason == "stop":  # the grammar ended it: it parses
+            assert isinstance(json.loads(final.text)["n"], int)
+        # aborted while its grammar compiles (a new schema is not in the cache)
+        other = SamplingParams(
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(regex="[a-z]{3,7}[0-9]{2}"),
+        )
+        task = asyncio.create_task(collect(engine, "regex", other, "compiling"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        await engine.abort("compiling")
+        result = await task
+        assert result[-1].finished and result[-1].outputs[0].finish_reason == "abort"
+        await engine.abort([])
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
+
+
+def _kill_soon(engine: ProcessAsyncLLMEngine) -> None:
+    os.kill(engine._process.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["killed", "step fault", "hung step"])
+def test_a_dead_engine_process_ends_every_stream(model_dir, how) -> None:
+    factory: Any = functools.partial(hooked_llm_engine, step_delay_s=0.01)  # still running
+    if how == "step fault":
+        factory = functools.partial(hooked_llm_engine, fault_at=6)
+    elif how == "hung step":
+        factory = functools.partial(hooked_llm_engine, step_delay_s=0.05, fault_at=None)
+    engine = ProcessAsyncLLMEngine(
+        engine_args(model_dir),
+        factory,
+        step_timeout_s=0.5 if how != "hung step" else 0.02,
+        torch_threads=1,
+    )
+    params = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def main() -> None:
+        tasks = [
+            asyncio.create_task(collect(engine, f"prompt {i}", params, f"d{i}")) for i in range(4)
+        ]
+        if how == "killed":
+            await asyncio.sleep(0.3)
+            _kill_soon(engine)
+        started = time.monotonic()
+        done, pending = await asyncio.wait(tasks, timeout=20)
+        assert not pending, f"streams still open {time.monotonic() - started:.1f}s after"
+        for task in done:
+            assert isinstance(task.exception(), EngineDeadError), task.exception()
+        assert engine.errored
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "late", params, "late")
+        await engine.shutdown()
+
+    asyncio.run(main())
+    assert not engine._process.is_alive()
+
+
+def test_a_bad_setting_or_a_failed_start_raises_what_it_would_in_process(model_dir) -> None:
+    with pytest.raises(ValueError, match="device"):
+        ProcessAsyncLLMEngine(engine_args(model_dir, device="nonsense"))
+    # the child's own start-up error, re-raised here as itself
+    with pytest.raises(ValueError, match="block"):
+        ProcessAsyncLLMEngine(engine_args(model_dir), functools.partial(_fails_to_start))
+
+
+def _fails_to_start(args: EngineArgs) -> Any:
+    raise ValueError("no block for you")
