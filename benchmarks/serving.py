@@ -65,6 +65,7 @@ class Sample:
     e2e_s: float
     num_tokens: int
     itls: list[float] = field(default_factory=list)
+    num_deltas: int = 0  # Delta messages (gRPC) or text chunks (HTTP) it came in
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -145,9 +146,11 @@ async def one_request(
     first = last = None
     num_tokens = 0
     itls: list[float] = []
+    num_deltas = 0
     async for msg in stub.GenerateStream(request):
         if msg.WhichOneof("event") != "delta":
             continue
+        num_deltas += 1
         now = time.perf_counter()
         new = msg.delta.completion_tokens - num_tokens
         num_tokens = msg.delta.completion_tokens
@@ -157,7 +160,7 @@ async def one_request(
             itls += [(now - last) / new] * new
         last = now
     assert first is not None and last is not None and num_tokens == max_tokens, num_tokens
-    return Sample(first - started, last - started, num_tokens, itls)
+    return Sample(first - started, last - started, num_tokens, itls, num_deltas)
 
 
 async def closed_loop(
@@ -208,7 +211,7 @@ async def one_http_request(client: Any, model: str, prompt: list[int], max_token
                 gaps.append(now - last)
             last = now
     assert first is not None and last is not None and num_tokens == max_tokens, num_tokens
-    return Sample(first - started, last - started, num_tokens, gaps)
+    return Sample(first - started, last - started, num_tokens, gaps, len(gaps) + 1)
 
 
 async def one_openai_request(client: Any, model: str, prompt: list[int], max_tokens: int) -> Sample:
@@ -233,7 +236,7 @@ async def one_openai_request(client: Any, model: str, prompt: list[int], max_tok
             gaps.append(now - last)
         last = now
     assert first is not None and last is not None and num_tokens == max_tokens, num_tokens
-    return Sample(first - started, last - started, num_tokens, gaps)
+    return Sample(first - started, last - started, num_tokens, gaps, len(gaps) + 1)
 
 
 async def closed_loop_http(
@@ -287,6 +290,7 @@ def summarize(concurrency: int, samples: list[Sample], wall_s: float) -> dict[st
         "itl_p50_ms": round(percentile(itls, 50) * 1000, 3),
         "itl_p99_ms": round(percentile(itls, 99) * 1000, 3),
         "e2e_p50_ms": round(percentile([s.e2e_s for s in samples], 50) * 1000, 1),
+        "deltas_per_request": round(sum(s.num_deltas for s in samples) / len(samples), 2),
     }
 
 
@@ -338,6 +342,22 @@ def fresh(fn: Callable[..., R], *args: Any) -> R:
         return pool.submit(fn, *args).result()
 
 
+class Floor:
+    """benchmarks/grpc_floor.py on 127.0.0.1: bare grpc.aio, `num_deltas` Deltas a request."""
+
+    def __init__(self, num_deltas: int) -> None:
+        (self.port,) = free_ports(1)
+        script = Path(__file__).with_name("grpc_floor.py")
+        command = [sys.executable, str(script), "--port", str(self.port), "--deltas",
+                   str(num_deltas)]  # fmt: skip
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == b"serving\n"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
 def run(ns: argparse.Namespace, model: str, log_dir: str) -> list[dict[str, Any]]:
     max_num_seqs = max(ns.concurrency)
     flags = ["--device", "cpu", "--dtype", "float32", "--torch-threads", str(ns.threads),
@@ -349,35 +369,74 @@ def run(ns: argparse.Namespace, model: str, log_dir: str) -> list[dict[str, Any]
     from transformers import AutoConfig
 
     vocab_size = int(AutoConfig.from_pretrained(model).vocab_size)
-    server = Server(model, flags, log_dir)
     rows = []
-    try:
-        server.wait_serving()
-        for i, n in enumerate(ns.concurrency):
-            reqs = prompts(ns.requests_per_stream * n, ns.prompt_len, vocab_size, ns.seed + i)
-            local = None
-            if ns.fake_runner:
-                local = fresh(_in_process, model, n, reqs, ns.max_tokens, max_num_seqs)
-            for protocol in ns.protocols:
-                target = f"127.0.0.1:{server.port}"
-                if protocol == "http":
-                    target = f"http://127.0.0.1:{server.http_port}/v1"
-                runs = [
-                    fresh(measure, protocol, target, n, reqs, ns.max_tokens, ns.http_client)
-                    for _ in range(ns.repeat)
-                ]
-                measured = max(runs, key=lambda r: r["tokens_per_s"])  # least disturbed
-                row = {"protocol": protocol, **measured}
-                if local is not None:
-                    row["in_process_tokens_per_s"] = local["in_process_tokens_per_s"]
-                    row["server_share"] = round(
-                        row["tokens_per_s"] / local["in_process_tokens_per_s"], 3
-                    )
-                rows.append(row)
-                print(json.dumps(row), file=sys.stderr)
-    finally:
-        server.stop()
+    local: dict[int, dict[str, Any]] = {}  # the in-process run of each concurrency
+    for engine in ns.engine:
+        mode = [] if engine == "process" else ["--no-engine-process"]
+        server = Server(model, flags + mode, log_dir)
+        try:
+            server.wait_serving()
+            for i, n in enumerate(ns.concurrency):
+                reqs = prompts(ns.requests_per_stream * n, ns.prompt_len, vocab_size, ns.seed + i)
+                if ns.fake_runner and n not in local:
+                    local[n] = fresh(_in_process, model, n, reqs, ns.max_tokens, max_num_seqs)
+                for protocol in ns.protocols:
+                    target = f"127.0.0.1:{server.port}"
+                    if protocol == "http":
+                        target = f"http://127.0.0.1:{server.http_port}/v1"
+                    row = {"protocol": protocol, "engine": engine,
+                           **best_of(ns.repeat, protocol, target, n, reqs, ns)}  # fmt: skip
+                    if n in local:
+                        in_process = local[n]["in_process_tokens_per_s"]
+                        row["in_process_tokens_per_s"] = in_process
+                        row["server_share"] = round(row["tokens_per_s"] / in_process, 3)
+                    rows.append(row)
+                    print(json.dumps(row), file=sys.stderr)
+        finally:
+            server.stop()
+    if ns.floor:
+        rows += floor_rows(ns, rows, vocab_size, local)
     return rows
+
+
+def best_of(
+    repeat: int, protocol: str, target: str, n: int, reqs: list[list[int]], ns: argparse.Namespace
+) -> dict[str, Any]:
+    """The fastest of `repeat` closed loops, each client in a fresh process (least disturbed)."""
+    runs = [
+        fresh(measure, protocol, target, n, reqs, ns.max_tokens, ns.http_client)
+        for _ in range(repeat)
+    ]
+    return max(runs, key=lambda r: r["tokens_per_s"])
+
+
+def floor_rows(
+    ns: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    vocab_size: int,
+    local: dict[int, dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The same closed loops against bare grpc.aio sending as many Deltas per request as the
+    first engine's gRPC rows received: what no Python gRPC server can beat here."""
+    floor = []
+    for i, n in enumerate(ns.concurrency):
+        served = next(r for r in rows if r["protocol"] == "grpc" and r["concurrency"] == n)
+        num_deltas = max(1, round(served["deltas_per_request"]))
+        reqs = prompts(ns.requests_per_stream * n, ns.prompt_len, vocab_size, ns.seed + i)
+        server = Floor(num_deltas)
+        try:
+            target = f"127.0.0.1:{server.port}"
+            row = {"protocol": "grpc", "engine": f"floor ({num_deltas} deltas)",
+                   **best_of(ns.repeat, "grpc", target, n, reqs, ns)}  # fmt: skip
+        finally:
+            server.stop()
+        if n in local:
+            in_process = local[n]["in_process_tokens_per_s"]
+            row["in_process_tokens_per_s"] = in_process
+            row["server_share"] = round(row["tokens_per_s"] / in_process, 3)
+        floor.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return floor
 
 
 def main() -> None:
@@ -405,6 +464,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     parser.add_argument("--fake-runner", action="store_true")
+    parser.add_argument(
+        "--engine",
+        nargs="+",
+        choices=["process", "inline"],
+        default=["process"],
+        help="where the server steps the engine: its own process (the default) or the "
+        "server's event loop (--no-engine-process); one server each, rows side by side",
+    )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="also run the loops against bare grpc.aio (benchmarks/grpc_floor.py) sending as "
+        "many Deltas per request as the server did: the most a Python gRPC server can deliver",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args()
@@ -422,15 +495,17 @@ def main() -> None:
         return
     mode = "fake runner" if ns.fake_runner else "model"
     print(f"asyncengine serve ({mode}), {ns.prompt_len}-token prompts, {ns.max_tokens} tokens each")
-    head = ["protocol", "N", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"]
-    keys = ["protocol", "concurrency", "tokens_per_s", "requests_per_s", "ttft_p50_ms",
-            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]  # fmt: skip
+    head = ["protocol", "engine", "N", "tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
+            "ITL p99", "deltas/req"]  # fmt: skip
+    keys = ["protocol", "engine", "concurrency", "tokens_per_s", "requests_per_s",
+            "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+            "deltas_per_request"]  # fmt: skip
     if ns.fake_runner:
         head += ["in-proc tok/s", "server/in-proc"]
         keys += ["in_process_tokens_per_s", "server_share"]
     print("  ".join(f"{h:>12}" for h in head) + "   (ms)")
     for row in rows:
-        print("  ".join(f"{row[k]:>12}" for k in keys))
+        print("  ".join(f"{row.get(k, '-'):>12}" for k in keys))
 
 
 if __name__ == "__main__":
