@@ -27,6 +27,7 @@ from asyncengine import (
     SamplingParams,
 )
 from asyncengine.engine.core_process import ProcessAsyncLLMEngine
+from asyncengine.errors import RequestFailedError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, StructuredOutputsParams
 from asyncengine.testing import hooked_llm_engine
@@ -48,6 +49,33 @@ def engine(model_dir):
     yield engine
     asyncio.run(engine.shutdown())
     assert not engine._process.is_alive()
+
+
+def _slow_and_refusing(args: EngineArgs) -> Any:
+    """The engine of `slow_engine`: 50 ms more per step, and a request "boom..." the engine
+    itself refuses (as a bug in queuing it would)."""
+    engine = hooked_llm_engine(args, step_delay_s=0.05)
+    add = engine.add_validated_request
+
+    def refusing(validated: Any, *args: Any, **kwargs: Any) -> None:
+        if validated.request_id.startswith("boom"):
+            raise RuntimeError("refused")
+        add(validated, *args, **kwargs)
+
+    engine.add_validated_request = refusing
+    return engine
+
+
+@pytest.fixture(scope="module")
+def slow_engine(model_dir):
+    """Slow steps: the windows between a message and its answer are wide open."""
+    engine = ProcessAsyncLLMEngine(
+        engine_args(model_dir, block_size=8, num_gpu_blocks_override=64),
+        _slow_and_refusing,
+        torch_threads=1,
+    )
+    yield engine
+    asyncio.run(engine.shutdown())
 
 
 async def collect(engine, prompt, params, request_id: str) -> list[RequestOutput]:
@@ -212,6 +240,83 @@ def test_structured_outputs_compile_in_the_child_and_abort_while_compiling(engin
         result = await task
         assert result[-1].finished and result[-1].outputs[0].finish_reason == "abort"
         await engine.abort([])
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
+
+
+def test_a_caller_leaving_while_its_grammar_compiles_leaves_nothing_running(slow_engine) -> None:
+    engine = slow_engine
+    params = SamplingParams(
+        max_tokens=200,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(regex="[a-z]{1,300}"),
+    )
+
+    async def main() -> None:
+        busy = asyncio.create_task(
+            collect(engine, "busy", SamplingParams(max_tokens=6, ignore_eos=True), "busy")
+        )
+        await asyncio.sleep(0.1)
+        adding = asyncio.create_task(engine.add_request("X", "hello", params))
+        await asyncio.sleep(0.02)  # sent; the child answers after its step
+        adding.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await adding
+        await busy
+        # the id is free, and the first request is gone from the child too
+        outs = await asyncio.wait_for(
+            collect(engine, "again", SamplingParams(max_tokens=3, ignore_eos=True), "X"), 20
+        )
+        assert outs[-1].outputs[0].finish_reason == "length"
+        await engine.abort([])
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
+
+
+def test_an_id_aborted_used_and_aborted_again_gives_each_stream_its_own_final(
+    slow_engine,
+) -> None:
+    engine = slow_engine
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def final(stream) -> RequestOutput:
+        out = await stream.get()
+        while not out.finished:
+            out = await stream.get()
+        return out
+
+    async def main() -> None:
+        first = await engine.add_request("Y", "the first prompt here", params)
+        while (await first.get()).outputs[0].token_ids == []:
+            pass
+        aborting = asyncio.create_task(engine.abort("Y"))
+        await asyncio.sleep(0)  # the abort is sent, its answer not back
+        second = await engine.add_request("Y", "2nd", params)  # before the child answers
+        assert await engine.abort("Y") == ["Y"]
+        await aborting
+        one = await asyncio.wait_for(final(first), 20)
+        two = await asyncio.wait_for(final(second), 20)
+        # each its own: the second's final is of the request that arrived second
+        assert one.metrics.arrival_time < two.metrics.arrival_time
+        assert one.metrics.num_output_tokens >= 1
+        assert one.outputs[0].finish_reason == two.outputs[0].finish_reason == "abort"
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
+
+
+def test_a_request_the_child_cannot_queue_fails_alone(slow_engine) -> None:
+    engine = slow_engine
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def main() -> None:
+        ok = asyncio.create_task(collect(engine, "fine", params, "fine"))
+        with pytest.raises(RequestFailedError):
+            await asyncio.wait_for(collect(engine, "bad", params, "boom-1"), 20)
+        assert (await ok)[-1].finished
+        assert not engine.errored
         assert_nothing_left(engine)
 
     asyncio.run(main())

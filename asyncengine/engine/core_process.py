@@ -24,6 +24,7 @@ import contextvars
 import itertools
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -42,7 +43,7 @@ from asyncengine.engine.async_llm_engine import AsyncLLMEngine, EngineObserver, 
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine, freeze_heap
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
-from asyncengine.errors import EngineDeadError, InvalidRequestError
+from asyncengine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncengine.logging import get_logger, logging_settings
 from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -172,6 +173,7 @@ def _send_failure(
     """FAILED with the exception itself, so the parent raises (or dies of) what happened here;
     its words alone if it does not pickle."""
     try:
+        pickle.loads(pickle.dumps(exc))  # one that does not come back whole is not sent
         send((_FAILED, words, trace, exc))
     except Exception:
         send((_FAILED, words, trace, None))
@@ -275,11 +277,11 @@ class _Core:
             request_id = validated.request_id
             entry = self.compiling.get(request_id)
             if entry is None or entry[0] != ticket:  # aborted while compiling
-                self.send((_ADDED, ticket, "aborted", None, None))
+                self.send((_ADDED, ticket, request_id, "aborted", None, None))
                 return
             del self.compiling[request_id]
             if error is not None:
-                self.send((_ADDED, ticket, error, None, None))
+                self.send((_ADDED, ticket, request_id, error, None, None))
             else:
                 self._add(ticket, validated, constraint)
         elif kind == _ABORT:
@@ -307,10 +309,12 @@ class _Core:
             self.engine.add_validated_request(validated, constraint=constraint)
         except Exception as exc:  # an engine bug: that request fails, the others go on
             logger.error("request_failed", request_id=validated.request_id, cause=repr(exc))
-            self.send((_ADDED, ticket, (None, repr(exc)), None, None))
+            self.send((_ADDED, ticket, validated.request_id, (None, repr(exc)), None, None))
             return
         if constraint is not None:
-            self.send((_ADDED, ticket, None, constraint.kind, constraint.compile_s))
+            self.send(
+                (_ADDED, ticket, validated.request_id, None, constraint.kind, constraint.compile_s)
+            )
 
 
 # -- the parent -----------------------------------------------------------------------------
@@ -374,8 +378,11 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         )
         self._stats = EngineStats(*stats)
         self._phases: dict[str, str] = {}
-        # streams aborted here whose final output the child has not sent yet, by id
-        self._aborting: dict[str, RequestStream] = {}
+        # streams aborted here whose final output the child has not sent yet: by id, oldest
+        # first (an id may be aborted, used again and aborted again before the child answers),
+        # and by the ticket of the ABORT that took them
+        self._aborting: dict[str, list[RequestStream]] = {}
+        self._abort_tickets: dict[int, list[tuple[str, RequestStream]]] = {}
         self._tickets = itertools.count()
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -418,7 +425,13 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         self._send((_ADD, ticket, validated))
         if reply is None:
             return True
-        error, kind, compile_s = await reply
+        try:
+            error, kind, compile_s = await reply
+        except BaseException:
+            # the caller left while the child compiles: the child must drop the request too
+            if self._streams.get(validated.request_id) is stream:
+                self._abort_now([validated.request_id])
+            raise
         if error == "aborted":
             return False
         if error is not None:
@@ -445,26 +458,33 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         self, request_ids: list[str]
     ) -> tuple[list[str], asyncio.Future[Any] | None]:
         """Take the streams out of flight and ask the child for their final outputs."""
-        aborted = []
+        taken = []
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
-            if stream is None:
-                continue
-            aborted.append(request_id)
-            self._aborting[request_id] = stream
-        if not aborted or self._dead is not None or self._loop is None:
-            for request_id in aborted:
-                self._end_aborted(request_id, None)
+            if stream is not None:
+                taken.append((request_id, stream))
+                self._aborting.setdefault(request_id, []).append(stream)
+        aborted = [request_id for request_id, _ in taken]
+        if not taken or self._dead is not None or self._loop is None:
+            for request_id, stream in taken:
+                self._end_aborted(request_id, stream, None)
             return aborted, None
         ticket = next(self._tickets)
         reply = self._replies[ticket] = self._loop.create_future()
+        self._abort_tickets[ticket] = taken
         self._send((_ABORT, ticket, aborted))
         return aborted, reply
 
-    def _end_aborted(self, request_id: str, encoded: tuple[Any, ...] | None) -> None:
+    def _end_aborted(
+        self, request_id: str, stream: RequestStream, encoded: tuple[Any, ...] | None
+    ) -> None:
         """Give an aborted stream its final output: the child's, or one made here."""
-        stream = self._aborting.pop(request_id, None)
-        if stream is None or stream.is_finished:
+        pending = self._aborting.get(request_id)
+        if pending is not None and stream in pending:
+            pending.remove(stream)
+            if not pending:
+                del self._aborting[request_id]
+        if stream.is_finished:
             return
         if encoded is None:  # never queued there (still tokenizing, or compiling)
             samples = [
@@ -507,6 +527,9 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             self._stop_reading()
             self._process.join(5)
             self._die(RuntimeError(f"the engine process exited ({self._process.exitcode})"))
+        except Exception as exc:  # a bug here, as one in the step: the engine is dead
+            self._stop_reading()
+            self._die(exc)
 
     def _stop_reading(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
@@ -523,32 +546,47 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             if self.observer is not None:
                 self.observer.on_step(StepStats(*stats))
         elif kind == _ADDED:
-            _, ticket, error, constraint_kind, compile_s = message
-            reply = self._replies.pop(ticket)
-            if not reply.done():
+            _, ticket, request_id, error, constraint_kind, compile_s = message
+            reply = self._replies.pop(ticket, None)
+            if reply is None:  # a request queued without a reply could not be queued after all
+                self._fail_unqueued(request_id, error)
+            elif not reply.done():  # (done: cancelled, its caller left)
                 reply.set_result((error, constraint_kind, compile_s))
         elif kind == _ABORTED:
-            _, ticket, request_ids, finals, engine_stats = message
+            _, ticket, _, finals, engine_stats = message
             self._stats = EngineStats(*engine_stats)
             by_id = {encoded[0]: encoded for encoded in finals}
-            for request_id in request_ids:
-                self._end_aborted(request_id, by_id.get(request_id))
-            reply = self._replies.pop(ticket)
-            if not reply.done():
+            for request_id, stream in self._abort_tickets.pop(ticket, []):
+                self._end_aborted(request_id, stream, by_id.get(request_id))
+            reply = self._replies.pop(ticket, None)
+            if reply is not None and not reply.done():
                 reply.set_result(None)
         elif kind == _FAILED:
             _, words, trace, exc = message
             logger.error("engine_core_failed", cause=words, traceback=trace)
             self._die(exc if isinstance(exc, BaseException) else RuntimeError(words))
 
+    def _fail_unqueued(self, request_id: str, error: Any) -> None:
+        """The child could not queue a request (an engine bug, logged there): it fails alone."""
+        if error in (None, "aborted"):
+            return
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(RequestFailedError("the request could not be queued (see the server log)"))
+            if self.observer is not None:
+                self.observer.on_request_done(request_id, None)
+
     def _deliver_encoded(self, outputs: list[tuple[Any, ...]]) -> None:
         streams, aborting = self._streams, self._aborting
         for encoded in outputs:
             request_id = encoded[0]
-            stream = aborting.get(request_id)
-            if stream is not None:  # the child had not taken the abort yet
-                if encoded[2]:  # finished all the same
-                    self._end_aborted(request_id, encoded)
+            pending = aborting.get(request_id)
+            if pending is not None:  # the child had not taken the abort yet: its tokens
+                oldest = pending[0]  # belong to the oldest stream aborted under that id
+                if encoded[2]:  # it finished all the same
+                    self._end_aborted(request_id, oldest, encoded)
+                else:
+                    self._put(oldest, decode_output(encoded, oldest))
                 continue
             stream = streams.get(request_id)
             if stream is None:
@@ -565,13 +603,18 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             return
         super()._die(cause)
         assert self._dead is not None
-        for stream in self._aborting.values():
-            stream.fail(self._dead)
-        self._aborting.clear()
+        self._fail_aborting(self._dead)
         for reply in self._replies.values():
             if not reply.done():
                 reply.set_exception(self._dead)
         self._replies.clear()
+
+    def _fail_aborting(self, error: EngineDeadError) -> None:
+        for streams in self._aborting.values():
+            for stream in streams:
+                stream.fail(error)
+        self._aborting.clear()
+        self._abort_tickets.clear()
 
     async def shutdown(self) -> None:
         """Abort every request, stop the child (after its step in flight) and the threads."""
@@ -581,9 +624,7 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
                 await asyncio.wait_for(self.abort(list(self._streams)), SHUTDOWN_ABORT_S)
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
-        for stream in self._aborting.values():
-            stream.fail(self._dead)
-        self._aborting.clear()
+        self._fail_aborting(self._dead)
         with contextlib.suppress(OSError, ValueError):  # the child is gone already
             self._conn.send((_STOP,))
         await asyncio.to_thread(self._process.join, 30)
