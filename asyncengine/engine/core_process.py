@@ -55,7 +55,8 @@ CoreFactory = Callable[[EngineArgs], LLMEngine]
 _READY, _STEP, _ADDED, _ABORTED, _FAILED = range(5)  # child -> parent
 _ADD, _ABORT, _STOP, _COMPILED = range(4)  # parent -> child (_COMPILED: the child's own)
 
-PHASES_INTERVAL_S = 0.25  # how often a STEP carries every request's phase (for heartbeats)
+PHASES_INTERVAL_S = 0.25
+IDLE_HEALTH_CHECK_S = 0.5  # how often a STEP carries every request's phase (for heartbeats)
 START_TIMEOUT_S = 600.0
 SHUTDOWN_ABORT_S = 10.0  # how long shutdown waits for the child to take its aborts
 
@@ -226,7 +227,7 @@ class _Core:
         while not self.stopping:
             if not engine.has_unfinished_requests():
                 engine.check_every_block_came_back()
-                self._handle(self.commands.get())  # idle: wait for work
+                self._handle(self._next_command_when_idle())
             while not self.stopping:
                 try:
                     self._handle(self.commands.get_nowait())
@@ -236,6 +237,15 @@ class _Core:
                 self._step()
         self.compiling.clear()
         engine.abort_request(engine.in_flight_ids())
+
+    def _next_command_when_idle(self) -> tuple[Any, ...]:
+        """Wait for work; meanwhile check the model every IDLE_HEALTH_CHECK_S (a tensor-parallel
+        worker that dies while nothing runs raises here: the engine is dead, health says so)."""
+        while True:
+            try:
+                return self.commands.get(timeout=IDLE_HEALTH_CHECK_S)
+            except queue.Empty:
+                self.engine.check_health()
 
     def _step(self) -> None:
         engine = self.engine

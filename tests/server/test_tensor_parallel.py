@@ -36,7 +36,7 @@ TP_FLAGS = (
     "--tensor-parallel-size", "2", "--max-num-seqs", "2", "--num-gpu-blocks-override", "256",
     "--num-cpu-blocks-override", "16", "--drain-grace-period", "1.0",
 )  # fmt: skip
-ENDINGS = ("killed-worker", "sigterm", "ctrl-c")
+ENDINGS = ("killed-worker", "idle-killed-worker", "sigterm", "ctrl-c")
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +112,27 @@ def test_a_killed_worker_fails_every_stream_and_the_server_exits_non_zero(
     records = server.log_records()
     (dead,) = [r for r in records if r["event"] == "engine_dead"]
     assert "tensor parallelism failed" in dead["cause"]
+    assert wait_gone([pid]) == []
+
+
+def test_a_worker_killed_while_nothing_runs_turns_health_not_serving(
+    tp_servers: dict[str, ServerProcess],
+) -> None:
+    """The engine process checks its workers while idle too: health says the engine is dead
+    without a request having to find out."""
+    server = tp_servers["idle-killed-worker"]
+    (pid,) = worker_pids(server)
+
+    async def main() -> Any:
+        async with server.aio_channel() as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            assert (await watch.read()).status == SERVING
+            os.kill(pid, signal.SIGKILL)
+            return (await watch.read()).status
+
+    status = asyncio.run(asyncio.wait_for(main(), 30))
+    assert status == NOT_SERVING
+    assert server.proc.wait(timeout=30) != 0
     assert wait_gone([pid]) == []
 
 
