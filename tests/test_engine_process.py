@@ -307,6 +307,26 @@ def test_an_id_aborted_used_and_aborted_again_gives_each_stream_its_own_final(
     asyncio.run(main())
 
 
+def test_abort_returns_only_what_it_aborted(slow_engine) -> None:
+    """A request the child finishes in the step it is running when the abort arrives was not
+    aborted: abort() leaves it out (a drain reports how many it cut off)."""
+    engine = slow_engine
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def main() -> None:
+        stream = await engine.add_request("last-step", "short", params)
+        first = await stream.get()
+        assert first is not None and not first.finished
+        # its last step runs now (50 ms): the abort reaches the child after it
+        assert await engine.abort("last-step") == []
+        final = await stream.get()
+        assert final is not None and final.finished
+        assert final.outputs[0].finish_reason == "length"
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
+
+
 def test_a_request_the_child_cannot_queue_fails_alone(slow_engine) -> None:
     engine = slow_engine
     params = SamplingParams(max_tokens=4, ignore_eos=True)

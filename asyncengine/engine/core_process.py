@@ -458,7 +458,8 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
         aborted, reply = self._abort_and_reply(ids)
         if reply is not None:
             with contextlib.suppress(EngineDeadError):  # then every stream was told
-                await asyncio.shield(reply)
+                # a request the child finished before it took the abort was not aborted
+                aborted = await asyncio.shield(reply)
         return aborted
 
     def _abort_now(self, request_ids: list[str]) -> list[str]:
@@ -566,11 +567,14 @@ class ProcessAsyncLLMEngine(AsyncLLMEngine):
             _, ticket, _, finals, engine_stats = message
             self._stats = EngineStats(*engine_stats)
             by_id = {encoded[0]: encoded for encoded in finals}
+            aborted = []  # of those asked: the ones that had not finished before the child saw it
             for request_id, stream in self._abort_tickets.pop(ticket, []):
+                if not stream.is_finished:
+                    aborted.append(request_id)
                 self._end_aborted(request_id, stream, by_id.get(request_id))
             reply = self._replies.pop(ticket, None)
             if reply is not None and not reply.done():
-                reply.set_result(None)
+                reply.set_result(aborted)
         elif kind == _FAILED:
             _, words, trace, exc = message
             logger.error("engine_core_failed", cause=words, traceback=trace)

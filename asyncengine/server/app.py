@@ -227,6 +227,9 @@ def check_port_free(options: ServeOptions) -> None:
             continue
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # as the servers bind: connections a previous server closed (TIME-WAIT) do not
+            # count, a socket listening there does
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 sock.bind((host, port))
             except OSError as exc:

@@ -134,11 +134,16 @@ class ServerState:
 
     async def release(self, flight: Flight) -> None:
         """Forget a call whose handler is done with it (and make sure the engine is too)."""
-        await self.engine.abort(flight.request_id)  # a no-op unless the handler left early
-        if self.flights.get(flight.request_id) is flight:
-            del self.flights[flight.request_id]
-        if not self.flights:
-            self._idle.set()
+        try:
+            # a no-op unless the handler left early. An engine in its own process answers
+            # an abort after its step: a handler cancelled meanwhile still gives its slot back
+            # (the abort itself is sent already)
+            await self.engine.abort(flight.request_id)
+        finally:
+            if self.flights.get(flight.request_id) is flight:
+                del self.flights[flight.request_id]
+            if not self.flights:
+                self._idle.set()
 
     def abort_reason_of(self, request_id: str) -> int | None:
         """Why the server aborted a request in flight (a FinishReason), or None."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import subprocess
+import time
 from typing import Any
 
 import grpc
@@ -81,6 +82,29 @@ def test_serve_on_a_port_in_use_says_so_in_one_line_before_loading(model_dir: An
     lines = [line for line in done.stderr.splitlines() if "cannot listen" in line]
     assert len(lines) == 1 and str(port) in lines[0], done.stderr
     assert "engine_started" not in done.stderr  # refused before the model loaded
+
+
+def test_a_port_a_stopped_server_left_in_time_wait_is_free_a_listening_one_is_not() -> None:
+    """A restart right after a shutdown binds its ports again (found as a restart refused
+    with "Address already in use" while the old server's closed connections waited)."""
+    from asyncengine.server.app import check_port_free
+    from asyncengine.server.options import ServeOptions
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        options = ServeOptions(host="127.0.0.1", port=port)
+        client = socket.create_connection(("127.0.0.1", port))
+        served, _ = listener.accept()
+        with pytest.raises(OSError, match="cannot listen"):
+            check_port_free(options)
+        served.close()  # the server closes first: its end of the connection waits in TIME-WAIT
+        time.sleep(0.05)
+        client.close()
+    time.sleep(0.05)
+    check_port_free(options)
 
 
 def test_a_kv_cache_that_cannot_fit_is_one_line_not_a_traceback(model_dir: Any) -> None:
