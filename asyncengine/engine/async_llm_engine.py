@@ -58,7 +58,7 @@ class EngineObserver(Protocol):
 class EngineFront(Protocol):
     """What the front door needs of the engine: its config, tokenizer and validator.
 
-    `LLMEngine` is one; a step loop in another process leaves a copy here (core_process).
+    `LLMEngine` is one; a step loop in another process leaves a copy here (process_engine).
     """
 
     config: EngineConfig
