@@ -138,6 +138,8 @@ def serve_flags(ns: argparse.Namespace, help_text: str) -> list[str]:
         flags += ["--stall-timeout", str(ns.stall_timeout)]
     if ns.fake_runner:
         flags.append("--fake-runner")
+    if ns.no_engine_process:
+        flags.append("--no-engine-process")
     return flags
 
 
@@ -173,13 +175,37 @@ async def wait_serving(proc: subprocess.Popen[bytes], target: str, log_path: Pat
 
 
 def rss_mib(pid: int) -> dict[str, float]:
-    """The server's resident memory now and at its peak (VmRSS, VmHWM)."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = round(int(value.split()[0]) / 1024, 1)
-    return {"rss_mib": fields.get("VmRSS", 0.0), "peak_rss_mib": fields.get("VmHWM", 0.0)}
+    """The server's resident memory now and at its peak (VmRSS, VmHWM), its processes summed:
+    the server, its engine process and any workers of that (the peak is the sum of each
+    process's own peak, an upper bound of theirs together)."""
+    totals = {"VmRSS": 0.0, "VmHWM": 0.0}
+    for each in (pid, *descendants(pid)):
+        try:
+            status = Path(f"/proc/{each}/status").read_text()
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        for line in status.splitlines():
+            key, _, value = line.partition(":")
+            if key in totals:
+                totals[key] += int(value.split()[0]) / 1024
+    return {"rss_mib": round(totals["VmRSS"], 1), "peak_rss_mib": round(totals["VmHWM"], 1)}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (from each process's parent id in /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def log_summary(log_path: Path) -> dict[str, Any]:
@@ -755,6 +781,7 @@ def parse_args() -> argparse.Namespace:
     add("--model", help="HF model directory (default: a tiny random Llama)")
     add("--fake-runner", action="store_true", help="serve scripted tokens (no model, no logprobs)")
     add("--rounds", type=int, default=3)
+    add("--no-engine-process", action="store_true", help="serve with the step loop in the server")
     add("--streams", type=int, default=300, help="streams per round")
     add("--stalled", type=int, default=10, help="stalled readers per round")
     add("--concurrency", type=int, default=16, help="in-process streams at once")
