@@ -386,12 +386,7 @@ def run(ns: argparse.Namespace, model: str, log_dir: str) -> list[dict[str, Any]
                         target = f"http://127.0.0.1:{server.http_port}/v1"
                     row = {"protocol": protocol, "engine": engine,
                            **best_of(ns.repeat, protocol, target, n, reqs, ns)}  # fmt: skip
-                    if n in local:
-                        in_process = local[n]["in_process_tokens_per_s"]
-                        row["in_process_tokens_per_s"] = in_process
-                        row["server_share"] = round(row["tokens_per_s"] / in_process, 3)
-                    rows.append(row)
-                    print(json.dumps(row), file=sys.stderr)
+                    rows.append(against_in_process(row, local))
         finally:
             server.stop()
     if ns.floor:
@@ -430,13 +425,20 @@ def floor_rows(
                    **best_of(ns.repeat, "grpc", target, n, reqs, ns)}  # fmt: skip
         finally:
             server.stop()
-        if n in local:
-            in_process = local[n]["in_process_tokens_per_s"]
-            row["in_process_tokens_per_s"] = in_process
-            row["server_share"] = round(row["tokens_per_s"] / in_process, 3)
-        floor.append(row)
-        print(json.dumps(row), file=sys.stderr)
+        floor.append(against_in_process(row, local))
     return floor
+
+
+def against_in_process(row: dict[str, Any], local: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """`row` with the in-process rate of its concurrency and its ratio to it (when measured),
+    echoed to stderr as it comes."""
+    measured = local.get(row["concurrency"])
+    if measured is not None:
+        in_process = measured["in_process_tokens_per_s"]
+        row["in_process_tokens_per_s"] = in_process
+        row["server_share"] = round(row["tokens_per_s"] / in_process, 3)
+    print(json.dumps(row), file=sys.stderr)
+    return row
 
 
 def main() -> None:

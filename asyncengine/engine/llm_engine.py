@@ -188,9 +188,7 @@ class LLMEngine:
         self._groups[req.group_id] = state
 
     def tokenize(self, text: str) -> list[int]:
-        """The prompt's token ids (with the tokenizer's special tokens, as prompts get them)."""
-        # checked before encoding: a tokenizer that adds BOS never returns nothing
-        return list(self.tokenizer.encode(text)) if text else []
+        return encode_prompt(self.tokenizer, text)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Abort requests (every sample) in any state; idempotent; returns their final outputs."""
@@ -401,6 +399,12 @@ def _default_runner(config: EngineConfig) -> ModelRunnerLike:
     from asyncengine.distributed.executor import TensorParallelExecutor
 
     return TensorParallelExecutor(config)
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A prompt's token ids (with the tokenizer's special tokens, as prompts get them)."""
+    # checked before encoding: a tokenizer that adds BOS never returns nothing
+    return list(tokenizer.encode(text)) if text else []
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any) -> tuple[int, ...]:

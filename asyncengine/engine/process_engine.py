@@ -37,7 +37,7 @@ from asyncengine.engine.core_process import (
     decode_output,
     run_engine_core,
 )
-from asyncengine.engine.llm_engine import EngineStats, LLMEngine, freeze_heap
+from asyncengine.engine.llm_engine import EngineStats, LLMEngine, encode_prompt, freeze_heap
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
@@ -61,7 +61,7 @@ class _Front:
     eos_token_ids: tuple[int, ...]
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text)) if text else []
+        return encode_prompt(self.tokenizer, text)
 
 
 class ProcessAsyncLLMEngine(AsyncLLMEngine):
