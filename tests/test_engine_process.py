@@ -1,4 +1,4 @@
-"""ProcessAsyncLLMEngine: the step loop in its own process, behind the same interface.
+"""AsyncLLMEngine over MPClient: the step loop in its own process, behind the same interface.
 
 The in-process AsyncLLMEngine is the reference: the same requests must give the same outputs
 (and greedy ones the transformers tokens); aborts, faults, a killed process, a hung step,
@@ -27,7 +27,9 @@ from asyncengine import (
     InvalidRequestError,
     SamplingParams,
 )
-from asyncengine.engine.process_engine import ProcessAsyncLLMEngine
+from asyncengine.engine.core_process import CoreFactory
+from asyncengine.engine.llm_engine import LLMEngine
+from asyncengine.engine.mp_client import MPClient
 from asyncengine.errors import RequestFailedError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, StructuredOutputsParams
@@ -41,15 +43,25 @@ def engine_args(model_dir, **overrides: Any) -> EngineArgs:
     return EngineArgs(**(values | overrides))
 
 
+def process_engine(
+    args: EngineArgs, factory: CoreFactory = LLMEngine.from_engine_args, **options: Any
+) -> AsyncLLMEngine:
+    """An AsyncLLMEngine whose core steps in a child process (one torch thread there)."""
+    return AsyncLLMEngine(MPClient(args, factory, torch_threads=1, **options))
+
+
+def process_of(engine: AsyncLLMEngine) -> Any:
+    assert isinstance(engine.core, MPClient)
+    return engine.core._process
+
+
 @pytest.fixture(scope="module")
 def engine(model_dir):
     """One engine process for the tests that leave it healthy (each runs its own event loop)."""
-    engine = ProcessAsyncLLMEngine(
-        engine_args(model_dir, block_size=8, num_gpu_blocks_override=64), torch_threads=1
-    )
+    engine = process_engine(engine_args(model_dir, block_size=8, num_gpu_blocks_override=64))
     yield engine
     asyncio.run(engine.shutdown())
-    assert not engine._process.is_alive()
+    assert not process_of(engine).is_alive()
 
 
 def _slow_and_refusing(args: EngineArgs) -> Any:
@@ -70,10 +82,8 @@ def _slow_and_refusing(args: EngineArgs) -> Any:
 @pytest.fixture(scope="module")
 def slow_engine(model_dir):
     """Slow steps: the windows between a message and its answer are wide open."""
-    engine = ProcessAsyncLLMEngine(
-        engine_args(model_dir, block_size=8, num_gpu_blocks_override=64),
-        _slow_and_refusing,
-        torch_threads=1,
+    engine = process_engine(
+        engine_args(model_dir, block_size=8, num_gpu_blocks_override=64), _slow_and_refusing
     )
     yield engine
     asyncio.run(engine.shutdown())
@@ -83,7 +93,7 @@ async def collect(engine, prompt, params, request_id: str) -> list[RequestOutput
     return [out async for out in engine.generate(prompt, params, request_id=request_id)]
 
 
-def assert_nothing_left(engine: ProcessAsyncLLMEngine) -> None:
+def assert_nothing_left(engine: AsyncLLMEngine) -> None:
     stats = engine.get_stats()
     assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
@@ -358,8 +368,8 @@ def test_a_request_the_child_cannot_queue_fails_alone(slow_engine) -> None:
     asyncio.run(main())
 
 
-def _kill_soon(engine: ProcessAsyncLLMEngine) -> None:
-    os.kill(engine._process.pid, signal.SIGKILL)
+def _kill_soon(engine: AsyncLLMEngine) -> None:
+    os.kill(process_of(engine).pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("how", ["killed", "step fault", "hung step"])
@@ -369,11 +379,8 @@ def test_a_dead_engine_process_ends_every_stream(model_dir, how) -> None:
         factory = functools.partial(hooked_llm_engine, fault_at=6)
     elif how == "hung step":
         factory = functools.partial(hooked_llm_engine, step_delay_s=0.05, fault_at=None)
-    engine = ProcessAsyncLLMEngine(
-        engine_args(model_dir),
-        factory,
-        step_timeout_s=0.5 if how != "hung step" else 0.02,
-        torch_threads=1,
+    engine = process_engine(
+        engine_args(model_dir), factory, step_timeout_s=0.5 if how != "hung step" else 0.02
     )
     params = SamplingParams(max_tokens=400, ignore_eos=True)
 
@@ -395,15 +402,15 @@ def test_a_dead_engine_process_ends_every_stream(model_dir, how) -> None:
         await engine.shutdown()
 
     asyncio.run(main())
-    assert not engine._process.is_alive()
+    assert not process_of(engine).is_alive()
 
 
 def test_a_bad_setting_or_a_failed_start_raises_what_it_would_in_process(model_dir) -> None:
     with pytest.raises(ValueError, match="device"):
-        ProcessAsyncLLMEngine(engine_args(model_dir, device="nonsense"))
+        process_engine(engine_args(model_dir, device="nonsense"))
     # the child's own start-up error, re-raised here as itself
     with pytest.raises(ValueError, match="block"):
-        ProcessAsyncLLMEngine(engine_args(model_dir), functools.partial(_fails_to_start))
+        process_engine(engine_args(model_dir), functools.partial(_fails_to_start))
 
 
 def _fails_to_start(args: EngineArgs) -> Any:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import time
+import contextlib
+import itertools
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.request import FinishReason
+from asyncengine.engine.core_client import EngineCoreClient, EngineFront, InprocClient
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
+from asyncengine.engine.messages import StepStats
 from asyncengine.engine.request_stream import RequestStream
-from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.errors import (
     DuplicateRequestError,
     EngineDeadError,
@@ -25,21 +26,13 @@ from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
+__all__ = ["AsyncLLMEngine", "EngineFront", "EngineObserver", "RequestStream", "StepStats"]
+
 logger = get_logger(__name__)
-A = TypeVar("A")
 R = TypeVar("R")
 
-
-@dataclass
-class StepStats:
-    """What one step took and moved, for an `EngineObserver`."""
-
-    schedule_s: float
-    execute_s: float  # block moves, forward and sampling, timed in the worker thread
-    update_s: float  # token appends, stop checks, detokenization
-    num_generated_tokens: int
-    num_blocks_swapped_out: int
-    num_blocks_swapped_in: int
+# how long shutdown waits for the core to answer its last aborts
+SHUTDOWN_ABORT_S = 10.0
 
 
 class EngineObserver(Protocol):
@@ -55,63 +48,63 @@ class EngineObserver(Protocol):
         and the seconds its grammar took to compile (None: it came from the cache)."""
 
 
-class EngineFront(Protocol):
-    """What the front door needs of the engine: its config, tokenizer and validator.
-
-    `LLMEngine` is one; a step loop in another process leaves a copy here (process_engine).
-    """
-
-    config: EngineConfig
-    tokenizer: Any
-    validator: RequestValidator
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-
-    def tokenize(self, text: str) -> list[int]: ...
-
-
 class AsyncLLMEngine:
     """The one engine interface every front end uses (gRPC, HTTP, `async for` in-process).
 
-    One loop batches every request and streams each its outputs. Scheduler state lives on
-    the event loop's thread; the forward (and the block moves before it) runs in one worker
-    thread and tokenizing in another, so the loop keeps streaming meanwhile. Front ends call
-    the public methods here and never reach into `LLMEngine`, the scheduler or the cache.
+    It keeps the front door (validation, tokenizing off the event loop, each caller's stream)
+    and hands validated requests to a core client (engine/core_client.py) that steps them:
+    on this event loop, or in a process of its own (`engine_process=True`, as `serve` runs).
+    Front ends call the public methods here and never reach into the core.
     """
 
     def __init__(
         self,
-        engine: LLMEngine,
+        core: EngineCoreClient | LLMEngine,
         step_timeout_s: float = 300.0,
         observer: EngineObserver | None = None,
     ) -> None:
-        self.engine = engine  # for tests and benchmarks; front ends use the methods below
-        self._init_front(engine, step_timeout_s, observer)
-
-    def _init_front(
-        self, front: EngineFront, step_timeout_s: float, observer: EngineObserver | None
-    ) -> None:
-        """What every AsyncLLMEngine has, wherever its steps run."""
-        self._front = front
-        self.step_timeout_s = step_timeout_s
+        """`core`: a core client, or an `LLMEngine` to step on this event loop."""
+        if isinstance(core, LLMEngine):
+            core = InprocClient(core, step_timeout_s)
+        self.core: EngineCoreClient = core
+        self._front: EngineFront = core.front
         self.observer = observer
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-step")
         self._tokenizer_pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="asyncengine-tokenize"
         )
-        # structured-outputs grammars compile here: a slow one holds up no prompt's tokenizing
-        self._grammar_pool = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="asyncengine-grammar"
-        )
         # by the caller's id, from the moment a request is accepted until its final output
+        # (or its abort): what admission counts
         self._streams: dict[str, RequestStream] = {}
-        self._has_work: asyncio.Event | None = None
-        self._loop_task: asyncio.Task[None] | None = None
+        # by the core's id, from the moment the core has a request until it says it is done
+        # with the id (its final output, or the answer to its abort)
+        self._core_streams: dict[str, RequestStream] = {}
+        self._core_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(args))
+    def from_engine_args(
+        cls,
+        args: EngineArgs,
+        engine_process: bool = False,
+        observer: EngineObserver | None = None,
+        **process_options: Any,
+    ) -> AsyncLLMEngine:
+        """The engine of `args`, stepping here or (`engine_process`) in a child process;
+        `process_options` go to `MPClient` (factory, torch_threads, heartbeat_timeout_s...)."""
+        if not engine_process:
+            return cls(LLMEngine.from_engine_args(args), observer=observer)
+        from asyncengine.engine.mp_client import MPClient
+
+        return cls(MPClient(args, **process_options), observer=observer)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The in-process core's `LLMEngine` (tests and benchmarks); an engine process's is
+        out of reach."""
+        if not isinstance(self.core, InprocClient):
+            raise AttributeError("the LLMEngine steps in the engine process, out of reach")
+        return self.core.engine
 
     # -- what the engine is ------------------------------------------------------------------
 
@@ -148,29 +141,29 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        return self._loop is not None and self._dead is None
 
     @property
     def errored(self) -> bool:
-        self._check_model()
+        self._check_core()
         return self._dead is not None
 
     def check_health(self) -> None:
         """Raise `EngineDeadError` if the engine can no longer serve."""
-        self._check_model()
+        self._check_core()
         if self._dead is not None:
             raise self._dead
 
-    def _check_model(self) -> None:
-        """A tensor-parallel rank can fail while the loop is idle: the engine is dead then too."""
+    def _check_core(self) -> None:
+        """The core can fail while nothing steps (a dead process, a tensor-parallel rank)."""
         if self._dead is None:
             try:
-                self.engine.check_health()
+                self.core.check_health()
             except Exception as exc:
                 self._die(exc)
 
     def get_stats(self) -> EngineStats:
-        return self.engine.get_stats()
+        return self.core.get_stats()
 
     @property
     def num_requests(self) -> int:
@@ -185,9 +178,12 @@ class AsyncLLMEngine:
 
     def request_phase(self, request_id: str) -> str | None:
         """ "queued", "prefill", "decode" or "preempted"; None when not in flight."""
-        if request_id in self._streams and not self.engine.is_in_flight(request_id):
-            return "queued"  # still being tokenized
-        return self.engine.request_phase(request_id)
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return None
+        if stream.core_id is None:  # still being tokenized
+            return "queued"
+        return self.core.request_phase(stream.core_id) or "queued"
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -227,7 +223,7 @@ class AsyncLLMEngine:
             else:
                 token_ids = list(prompt)
             if self._streams.get(request_id) is not stream:  # aborted while tokenizing
-                return _aborted(stream, prompt, token_ids, sampling_params)
+                return self._aborted(stream, prompt, token_ids)
             validated = validator.check_tokens(
                 request_id,
                 prompt,
@@ -239,34 +235,35 @@ class AsyncLLMEngine:
                 strict_max_tokens,
             )
             stream.prompt, stream.prompt_token_ids = validated.prompt, validated.prompt_token_ids
-            if not await self._queue(validated, stream):  # aborted while compiling
-                return _aborted(stream, prompt, token_ids, sampling_params)
-        except BaseException:
+            self.check_health()
+            # the core needs no prompt text: the stream has it, and puts it on each output
+            core_id = self._new_core_id(request_id)
+            stream.core_id, self._core_streams[core_id] = core_id, stream
+            queued = await self.core.add_request(
+                replace(validated, request_id=core_id, prompt=None)
+            )
+        except BaseException as exc:
             if self._streams.get(request_id) is stream:
                 del self._streams[request_id]
+            if stream.core_id is not None and not stream.is_finished:
+                if isinstance(exc, asyncio.CancelledError):
+                    # the caller left while its grammar compiled: the core must drop it too
+                    self._release_when_aborted([stream], self.core.abort([stream.core_id]))
+                else:  # refused by the core (a grammar that does not compile), or it died
+                    self._core_streams.pop(stream.core_id, None)
             raise
+        if queued is None:  # aborted while its grammar compiled: its final is there
+            return self._aborted(stream, prompt, token_ids)
+        if queued.constraint_kind is not None and self.observer is not None:
+            self.observer.on_structured_request(queued.constraint_kind, queued.compile_s)
         return stream
 
-    async def _queue(self, validated: ValidatedRequest, stream: RequestStream) -> bool:
-        """Hand a validated request to the scheduler; False if it was aborted meanwhile.
-
-        A constrained request waits here, off the loop and out of the scheduler, until its
-        grammar is compiled; an invalid one raises InvalidRequestError naming it.
-        """
-        params, constraint = validated.sampling_params, None
-        if params.structured_outputs is not None:
-            constraint = await asyncio.get_running_loop().run_in_executor(
-                self._grammar_pool, self.engine.validator.check_structured_outputs, params
-            )
-            if self._streams.get(validated.request_id) is not stream:
-                return False
-        self.check_health()
-        self.engine.add_validated_request(validated, constraint=constraint)
-        assert self._has_work is not None
-        self._has_work.set()
-        if constraint is not None and self.observer is not None:
-            self.observer.on_structured_request(constraint.kind, constraint.compile_s)
-        return True
+    def _new_core_id(self, request_id: str) -> str:
+        """The caller's id while the core has no request by it; else one made unique."""
+        core_id = request_id
+        while core_id in self._core_streams:
+            core_id = f"{request_id}#{next(self._core_ids)}"
+        return core_id
 
     async def generate(
         self,
@@ -291,30 +288,52 @@ class AsyncLLMEngine:
                 if out.finished:
                     return
         finally:
-            if not stream.is_finished:
-                self._abort_now([request_id])
+            if not stream.is_finished and self._streams.get(request_id) is stream:
+                self._abort_streams([request_id])
 
     async def abort(self, request_id: str | Iterable[str]) -> list[str]:
         """Abort requests wherever they are; unknown or finished ids are ignored.
 
-        Returns the ids that were in flight. Their blocks are free on return (a step already
-        running finishes without them) and each stream gets its final output.
+        Returns the ids it aborted (a request that finished in the step the abort raced is not
+        among them). Their blocks are free on return and each stream gets its final output.
         """
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        return self._abort_now(ids)
+        taken, core_aborted = self._abort_streams(ids)
+        if core_aborted is None:
+            return [stream.request_id for stream in taken]
+        # shielded: a caller cancelled meanwhile leaves the abort to finish (it is sent)
+        in_core = set(await asyncio.shield(core_aborted))
+        return [s.request_id for s in taken if s.core_id is None or s.core_id in in_core]
 
-    def _abort_now(self, request_ids: list[str]) -> list[str]:
-        aborted = []
-        for request_id in request_ids:
-            stream = self._streams.pop(request_id, None)
-            if stream is None:
-                continue
-            aborted.append(request_id)
-            for final in self.engine.abort_request(request_id):
-                self._put(stream, final)
-                if self.observer is not None:
-                    self.observer.on_request_done(request_id, final)
-        return aborted
+    def _abort_streams(
+        self, request_ids: list[str]
+    ) -> tuple[list[RequestStream], asyncio.Future[list[str]] | None]:
+        """Take the streams out of flight at once; the core's abort answers in the future."""
+        # one not yet in the core is being tokenized: add_request gives it its final
+        taken = [s for rid in request_ids if (s := self._streams.pop(rid, None)) is not None]
+        in_core = [s for s in taken if s.core_id is not None and s.core_id in self._core_streams]
+        if not in_core or self._dead is not None:
+            return taken, None
+        core_aborted = self.core.abort([s.core_id for s in in_core if s.core_id is not None])
+        self._release_when_aborted(in_core, core_aborted)
+        return taken, core_aborted
+
+    def _release_when_aborted(
+        self, streams: list[RequestStream], core_aborted: asyncio.Future[list[str]]
+    ) -> None:
+        """Once the core answered an abort it holds none of those ids: they may be reused.
+        (A stream it aborted got its final before the answer; one it had not yet queued, or
+        that finished first, gets its final here.)"""
+
+        def release(_: asyncio.Future[list[str]]) -> None:
+            for stream in streams:
+                assert stream.core_id is not None
+                if self._core_streams.get(stream.core_id) is stream:
+                    del self._core_streams[stream.core_id]
+                if not stream.is_finished:
+                    self._end(stream, _aborted_output(stream))
+
+        core_aborted.add_done_callback(release)
 
     async def tokenize(self, text: str, **kwargs: Any) -> Any:
         """The tokenizer's encoding of `text` (transformers' `__call__`), off the event loop.
@@ -343,85 +362,65 @@ class AsyncLLMEngine:
     async def _off_loop(self, fn: Callable[..., R], *args: Any) -> R:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
 
-    # -- the loop ----------------------------------------------------------------------------
+    # -- outputs (the core client's sink) ----------------------------------------------------
 
     def _start(self) -> None:
-        if self.is_running:
-            return
-        self._has_work = asyncio.Event()
-        # an empty context: the loop must not carry its first caller's log context for good
-        loop, context = asyncio.get_running_loop(), contextvars.Context()
-        task = loop.create_task(self._run(), name="step-loop", context=context)
-        task.add_done_callback(self._on_loop_done, context=context)
-        self._loop_task = task
-
-    async def _run(self) -> None:
-        assert self._has_work is not None
         loop = asyncio.get_running_loop()
-        while True:
-            if not self.engine.has_unfinished_requests():
-                self.engine.check_every_block_came_back()
-                self._has_work.clear()
-                await self._has_work.wait()
-                continue
-            started = time.perf_counter()
-            plan = self.engine.schedule()
-            scheduled = time.perf_counter()
-            result, execute_s = await asyncio.wait_for(
-                loop.run_in_executor(self._executor, _timed, self.engine.execute, plan),
-                self.step_timeout_s,
-            )
-            executed = time.perf_counter()
-            outputs = self.engine.update(plan, result)
-            stats = StepStats(
-                schedule_s=scheduled - started,
-                execute_s=execute_s,
-                update_s=time.perf_counter() - executed,
-                num_generated_tokens=len(result.sampled_token_ids),
-                num_blocks_swapped_out=len(plan.blocks_to_swap_out),
-                num_blocks_swapped_in=len(plan.blocks_to_swap_in),
-            )
-            self._deliver(outputs)
-            if self.observer is not None:
-                self.observer.on_step(stats)
-            logger.debug("step", num_scheduled=len(plan.scheduled), **vars(stats))
-            # let the streams run before the next step; the step itself never awaits them
-            await asyncio.sleep(0)
+        if self._loop is loop:
+            return
+        previous, self._loop = self._loop, loop
+        self.core.start(self)
+        if previous is not None:  # an earlier event loop ended under the engine
+            self._abort_streams(list(self._streams))
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def on_outputs(self, outputs: list[RequestOutput], step: StepStats | None) -> None:
+        """The core's outputs, each to its stream (found by the core's id)."""
+        streams = self._core_streams
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            stream = streams.get(out.request_id)
             if stream is None:
                 continue
-            self._put(stream, out)
-            if out.finished:
-                del self._streams[out.request_id]
-                if self.observer is not None:
-                    self.observer.on_request_done(out.request_id, out)
+            out.request_id = stream.request_id
+            out.prompt, out.prompt_token_ids = stream.prompt, stream.prompt_token_ids
+            if not out.finished:
+                stream.put(out)
+                continue
+            assert stream.core_id is not None
+            del streams[stream.core_id]
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+            self._end(stream, out)
+        if step is not None:
+            if self.observer is not None:
+                self.observer.on_step(step)
+            logger.debug("step", num_outputs=len(outputs), **vars(step))
 
-    def _put(self, stream: RequestStream, out: RequestOutput) -> None:
-        """Hand an output to its stream; a request that failed gets its error instead."""
-        if out.finished and out.error is not None:
-            finish = out.outputs[0].finish if out.outputs else None
+    def _end(self, stream: RequestStream, final: RequestOutput) -> None:
+        """Give a stream its final output (a failed request its error instead), once."""
+        if stream.is_finished:
+            return
+        if final.error is not None:
+            finish = final.outputs[0].finish if final.outputs else None
             if finish is FinishReason.REJECTED:
-                stream.fail(InvalidRequestError("prompt", out.error))
+                stream.fail(InvalidRequestError("prompt", final.error))
             else:
-                stream.fail(RequestFailedError(out.error))
-            return
-        stream.put(out)
+                stream.fail(RequestFailedError(final.error))
+        else:
+            stream.put(final)
+        if self.observer is not None:
+            self.observer.on_request_done(stream.request_id, final)
 
-    def _on_loop_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled():
-            if self._dead is None:
-                # the event loop ended under the engine (asyncio.run returned): no failure.
-                # What was in flight is aborted; a later event loop may use the engine again.
-                self._abort_now(list(self._streams))
-                self._loop_task = None
-                logger.debug("step_loop_stopped", reason="its event loop ended")
-            return
-        cause = task.exception()
-        if isinstance(cause, asyncio.TimeoutError):
-            cause = TimeoutError(f"a step took longer than {self.step_timeout_s} s")
+    def _aborted(
+        self, stream: RequestStream, prompt: str | list[int], token_ids: list[int]
+    ) -> RequestStream:
+        """The stream of a request aborted before the core queued it: its final, now."""
+        if not stream.is_finished:  # (else its final output is there already)
+            stream.prompt = prompt if isinstance(prompt, str) else None
+            stream.prompt_token_ids = token_ids
+            self._end(stream, _aborted_output(stream))
+        return stream
+
+    def on_dead(self, cause: BaseException) -> None:
         self._die(cause)
 
     def _die(self, cause: BaseException | None) -> None:
@@ -432,44 +431,42 @@ class AsyncLLMEngine:
         dead = EngineDeadError("the engine stopped on an internal error (see the server log)")
         dead.__cause__ = cause
         self._dead = dead
+        open_streams = {id(s): s for s in (*self._streams.values(), *self._core_streams.values())}
         logger.error(
-            "engine_dead", cause=repr(cause), open_streams=len(self._streams), exc_info=cause
+            "engine_dead", cause=repr(cause), open_streams=len(open_streams), exc_info=cause
         )
-        for request_id, stream in self._streams.items():
-            stream.fail(dead)
+        self._fail_all(dead, open_streams.values())
+
+    def _fail_all(self, error: EngineDeadError, streams: Iterable[RequestStream]) -> None:
+        for stream in streams:
+            if stream.is_finished:
+                continue
+            stream.fail(error)
             if self.observer is not None:
-                self.observer.on_request_done(request_id, None)
+                self.observer.on_request_done(stream.request_id, None)
         self._streams.clear()
+        self._core_streams.clear()
 
     async def shutdown(self) -> None:
-        """Abort every request, end every stream, and stop the loop and the worker threads."""
-        self._abort_now(list(self._streams))
+        """Abort every request, end every stream, and stop the core and the worker threads."""
+        if self._dead is None:
+            self._start()  # the core answers on this event loop
+        _, core_aborted = self._abort_streams(list(self._streams))
+        if core_aborted is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(core_aborted), SHUTDOWN_ABORT_S)
         if self._dead is None:
             self._dead = EngineDeadError("the engine was shut down")
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.core.shutdown()
+        self._fail_all(self._dead, list(self._core_streams.values()))
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-        # tensor-parallel workers stop here (after the step in flight, if any, or it fails)
-        await asyncio.to_thread(self.engine.shutdown)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _aborted(
-    stream: RequestStream, prompt: str | list[int], token_ids: list[int], params: SamplingParams
-) -> RequestStream:
-    """The stream of a request aborted before the engine queued it: its final output, now."""
-    if stream.is_finished:  # its final output is there already
-        return stream
-    stream.prompt = prompt if isinstance(prompt, str) else None
-    stream.prompt_token_ids = token_ids
-    samples = [CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(params.n)]
-    stream.put(RequestOutput(stream.request_id, stream.prompt, token_ids, samples, finished=True))
-    return stream
-
-
-def _timed(fn: Callable[[A], R], arg: A) -> tuple[R, float]:
-    started = time.perf_counter()
-    result = fn(arg)
-    return result, time.perf_counter() - started
+def _aborted_output(stream: RequestStream) -> RequestOutput:
+    """The final output of a request aborted before the core had it (or after it was gone)."""
+    samples = [
+        CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(stream.num_samples)
+    ]
+    return RequestOutput(
+        stream.request_id, stream.prompt, stream.prompt_token_ids, samples, finished=True
+    )

@@ -1,24 +1,21 @@
-"""The engine process's side: its main (`run_engine_core`), its loop, and what crosses the pipe.
+"""The engine process: its main (`run_engine_core`) and its loop, the far side of `MPClient`.
 
-`ProcessAsyncLLMEngine` (engine/process_engine.py) starts it. The child owns the `LLMEngine`
-(scheduler, KV cache, model, detokenizer) and steps as fast as it can; the parent keeps the
-front door (validation, tokenizing, the streams, the observer) and gets each step's outputs
-in one message. The two share nothing but a pipe:
+The child owns the `LLMEngine` (scheduler, KV cache, model, detokenizer) and steps while there
+is work; the front process keeps validation, tokenizing and the callers' streams. They share
+two ZMQ sockets (engine/messages.py says what crosses):
 
-    parent -> child   ADD (a validated request), ABORT (ids, a ticket), STOP
-    child -> parent   READY (what the parent needs to validate), STEP (a step's outputs and
-                      figures), ADDED (a constrained request's grammar compiled, or why not),
-                      ABORTED (the aborted requests' final outputs), FAILED (why it died)
+- input (PULL): requests and aborts, read by a thread of its own into a queue, so the parent
+  is never held up by a step; the loop takes what is queued between steps.
+- output (PUSH): each step's outputs in one message, sent by the loop.
 
-The child reads the pipe in a thread of its own, so neither side ever blocks the other on a
-full pipe. Outputs cross as plain tuples (pickling the dataclasses costs ~10x more). The child
-is spawned, not forked: it imports what it needs and builds the engine from `CoreFactory`.
+A third thread proves the process alive: a heartbeat every `heartbeat_interval_s`, whatever the
+steps are doing, and it ends the process when a step runs past `step_timeout_s` or the parent
+is gone. The child is spawned, not forked, and builds its engine from `CoreFactory`.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import queue
 import signal
 import threading
@@ -26,148 +23,152 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
 from typing import Any
+
+import msgspec
+import zmq
 
 from asyncengine.config import EngineArgs
 from asyncengine.core.request import FinishReason
+from asyncengine.engine.core_client import step_stats
 from asyncengine.engine.llm_engine import LLMEngine
-from asyncengine.engine.request_stream import RequestStream
+from asyncengine.engine.messages import (
+    Aborted,
+    AbortRequests,
+    Added,
+    AddRequest,
+    Failed,
+    Heartbeat,
+    Ready,
+    Shutdown,
+    StepOutputs,
+    ToEngine,
+    request_id_of_malformed,
+)
 from asyncengine.engine.validator import ValidatedRequest
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
-from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from asyncengine.outputs import CompletionOutput, RequestOutput
 
 logger = get_logger(__name__)
 
 # builds the child's engine; must be picklable (a module-level function, or a partial of one)
 CoreFactory = Callable[[EngineArgs], LLMEngine]
 
-# the messages, each a tuple whose first item says which
-READY, STEP, ADDED, ABORTED, FAILED = range(5)  # child -> parent
-ADD, ABORT, STOP, COMPILED = range(4)  # parent -> child (COMPILED: the child's own)
-
-PHASES_INTERVAL_S = 0.25  # how often a STEP carries every request's phase (for heartbeats)
+PHASES_INTERVAL_S = 0.25  # how often a StepOutputs carries every request's phase
 IDLE_HEALTH_CHECK_S = 0.5  # how often an idle child checks its model (tensor-parallel workers)
 
 
-# -- outputs as tuples ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CoreProcessOptions:
+    """What the parent tells the child besides the engine's arguments."""
+
+    input_address: str
+    output_address: str
+    logging_settings: tuple[str, bool] | None
+    torch_threads: int | None
+    step_timeout_s: float
+    heartbeat_interval_s: float
 
 
-def encode_output(out: RequestOutput) -> tuple[Any, ...]:
-    """`out` as builtins only, without its prompt (the parent's stream has it)."""
-    m = out.metrics
-    metrics = None
-    if m is not None:
-        metrics = (
-            m.arrival_time,
-            m.first_scheduled_time,
-            m.first_token_time,
-            m.finished_time,
-            m.num_preemptions,
-            m.num_cached_tokens,
-            m.num_output_tokens,
-        )
-    samples = [
-        (
-            c.index,
-            c.text,
-            c.token_ids,
-            c.logprobs,
-            None if c.finish is None else c.finish.value,
-            c.stop_reason,
-        )
-        for c in out.outputs
-    ]
-    return (out.request_id, samples, out.finished, out.error, metrics, out.prompt_logprobs)
+@dataclass(frozen=True)
+class _Compiled:
+    """A grammar compile that finished (the loop's own command, from the grammar pool)."""
+
+    request: ValidatedRequest
+    constraint: Any
+    error: InvalidRequestError | None
+    bug: str | None
 
 
-def decode_output(encoded: tuple[Any, ...], stream: RequestStream) -> RequestOutput:
-    request_id, samples, finished, error, metrics, prompt_logprobs = encoded
-    return RequestOutput(
-        request_id,
-        stream.prompt,
-        stream.prompt_token_ids,
-        [
-            CompletionOutput(i, text, ids, lp, None if f is None else FinishReason(f), stop)
-            for i, text, ids, lp, f, stop in samples
-        ],
-        finished,
-        error,
-        None if metrics is None else RequestMetrics(*metrics),
-        prompt_logprobs,
-    )
+@dataclass(frozen=True)
+class _Malformed:
+    """An input message that did not decode; `request_id` when it named one."""
+
+    request_id: str | None
+    reason: str
 
 
-def _stats_tuple(engine: LLMEngine) -> tuple[Any, ...]:
-    return tuple(vars(engine.get_stats()).values())
-
-
-# -- the child ------------------------------------------------------------------------------
-
-
-def run_engine_core(
-    factory: CoreFactory,
-    args: EngineArgs,
-    conn: Connection,
-    settings: tuple[str, bool] | None,
-    torch_threads: int | None,
-    step_timeout_s: float,
-) -> None:
-    """The child's main: build the engine, say READY, then step until STOP or the pipe ends."""
+def run_engine_core(factory: CoreFactory, args: EngineArgs, options: CoreProcessOptions) -> None:
+    """The child's main: build the engine, say Ready, then step until Shutdown."""
     from asyncengine.logging import configure_logging
 
-    if settings is not None:
-        configure_logging(*settings)
+    if options.logging_settings is not None:
+        configure_logging(*options.logging_settings)
     # the parent owns the lifecycle: a Ctrl-C or a SIGTERM to the whole group (systemd's
-    # default) must not end the steps under a drain; STOP or the pipe's end does
+    # default) must not end the steps under a drain; Shutdown, or the parent's end, does
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    send_lock = threading.Lock()
-
-    def send(message: tuple[Any, ...]) -> None:
-        with send_lock:
-            conn.send(message)
-
+    context = zmq.Context()
+    output = _push(context, options.output_address)
+    encoder = msgspec.msgpack.Encoder()
+    monitor = _Monitor(context, options, os.getppid())
     try:
-        if torch_threads:
+        if options.torch_threads:
             import torch
 
-            torch.set_num_threads(torch_threads)
+            torch.set_num_threads(options.torch_threads)
         engine = factory(args)
     except BaseException as exc:
-        _send_failure(send, f"the engine did not start: {exc!r}", traceback.format_exc(), exc)
+        failed = Failed.of(f"the engine did not start: {exc!r}", traceback.format_exc(), exc)
+        output.send(encoder.encode(failed))
+        output.close(linger=5000)
         return
-    send(
-        (
-            READY,
-            engine.config,
-            engine.vocab_size,
-            engine.eos_token_ids,
-            engine.block_manager.num_gpu_blocks,
-            _stats_tuple(engine),
-        )
-    )
-    core = _Core(engine, conn, send, step_timeout_s)
+    stats = engine.get_stats()
+    ready = Ready(engine.vocab_size, engine.eos_token_ids, stats.num_gpu_blocks, stats)
+    output.send(encoder.encode(ready))
+    core = _Core(engine, context, output, monitor, options)
     try:
         core.run()
     except BaseException as exc:
         logger.error("engine_core_failed", cause=repr(exc), exc_info=exc)
-        _send_failure(send, repr(exc), traceback.format_exc(), exc)
+        output.send(encoder.encode(Failed.of(repr(exc), traceback.format_exc(), exc)))
     finally:
         engine.shutdown()
+        output.close(linger=5000)
 
 
-def _send_failure(
-    send: Callable[[tuple[Any, ...]], None], words: str, trace: str, exc: BaseException
-) -> None:
-    """FAILED with the exception itself, so the parent raises (or dies of) what happened here;
-    its words alone if it does not pickle."""
-    try:
-        pickle.loads(pickle.dumps(exc))  # one that does not come back whole is not sent
-        send((FAILED, words, trace, exc))
-    except Exception:
-        send((FAILED, words, trace, None))
+def _push(context: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    """A PUSH socket to the parent that never drops and never refuses a message: the parent's
+    reader keeps up, and a full buffer only means waiting."""
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(address)
+    return sock
+
+
+class _Monitor:
+    """The child's watch thread: heartbeats, the step deadline, the parent's end."""
+
+    def __init__(
+        self, context: zmq.Context[Any], options: CoreProcessOptions, parent_pid: int
+    ) -> None:
+        self.options = options
+        self.parent_pid = parent_pid
+        self.step_started: float | None = None  # set by the loop around each step
+        self.on_parent_gone: Callable[[], None] = lambda: None
+        # its own socket: ZMQ sockets belong to one thread each
+        self.sock = _push(context, options.output_address)
+        threading.Thread(target=self._watch, name="core-monitor", daemon=True).start()
+
+    def _watch(self) -> None:
+        heartbeat = msgspec.msgpack.encode(Heartbeat())
+        interval = self.options.heartbeat_interval_s
+        timeout = self.options.step_timeout_s
+        while True:
+            self.sock.send(heartbeat)
+            time.sleep(min(interval, timeout / 4))
+            started = self.step_started
+            if started is not None and time.monotonic() - started > timeout:
+                reason = f"a step took longer than {timeout} s"
+                self.sock.send(msgspec.msgpack.encode(Failed(reason, "")))
+                self.sock.close(linger=2000)
+                os._exit(1)
+            if os.getppid() != self.parent_pid:  # the parent died: nobody reads us
+                self.on_parent_gone()
+                time.sleep(10)  # the loop's own exit, unless a step hangs
+                os._exit(1)
 
 
 class _Core:
@@ -176,59 +177,59 @@ class _Core:
     def __init__(
         self,
         engine: LLMEngine,
-        conn: Connection,
-        send: Callable[[tuple[Any, ...]], None],
-        step_timeout_s: float,
+        context: zmq.Context[Any],
+        output: zmq.Socket[Any],
+        monitor: _Monitor,
+        options: CoreProcessOptions,
     ) -> None:
         self.engine = engine
-        self.send = send
-        self.step_timeout_s = step_timeout_s
-        self.commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.output = output
+        self.monitor = monitor
+        self.encoder = msgspec.msgpack.Encoder()
+        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="asyncengine-grammar")
-        # constrained requests being compiled, by id: the ticket of their ADD (an aborted one
-        # is dropped from here, and its compile when it finishes)
-        self.compiling: dict[str, tuple[int, ValidatedRequest]] = {}
-        self.stopping = False
-        self.step_started: float | None = None
+        # constrained requests whose grammar compiles, by core id (an aborted one is dropped
+        # from here, and its compile when it finishes)
+        self.compiling: dict[str, ValidatedRequest] = {}
+        self.is_stopping = False
         self.last_phases = 0.0
-        threading.Thread(target=self._read, args=(conn,), name="core-reader", daemon=True).start()
-        threading.Thread(target=self._watch, name="core-watchdog", daemon=True).start()
+        monitor.on_parent_gone = lambda: self.commands.put(Shutdown())
+        input_sock = context.socket(zmq.PULL)
+        input_sock.setsockopt(zmq.RCVHWM, 0)
+        input_sock.connect(options.input_address)
+        threading.Thread(
+            target=self._read, args=(input_sock,), name="core-reader", daemon=True
+        ).start()
 
-    def _read(self, conn: Connection) -> None:
+    def _read(self, sock: zmq.Socket[Any]) -> None:
+        decoder = msgspec.msgpack.Decoder(ToEngine)
         while True:
+            frame = sock.recv(copy=False)
             try:
-                message = conn.recv()
-            except (EOFError, OSError):  # the parent is gone: stop
-                self.commands.put((STOP,))
-                return
-            self.commands.put(message)
+                self.commands.put(decoder.decode(frame.buffer))
+            except msgspec.DecodeError as exc:
+                self.commands.put(_Malformed(request_id_of_malformed(frame.bytes), str(exc)))
 
-    def _watch(self) -> None:
-        """A step that hangs past the timeout kills the child: the parent sees it die."""
-        while True:
-            time.sleep(min(1.0, self.step_timeout_s / 4))
-            started = self.step_started
-            if started is not None and time.monotonic() - started > self.step_timeout_s:
-                self.send((FAILED, f"a step took longer than {self.step_timeout_s} s", "", None))
-                os._exit(1)
+    def send(self, message: msgspec.Struct) -> None:
+        self.output.send(self.encoder.encode(message), copy=False)
 
     def run(self) -> None:
         engine = self.engine
-        while not self.stopping:
+        while not self.is_stopping:
             if not engine.has_unfinished_requests():
                 engine.check_every_block_came_back()
                 self._handle(self._next_command_when_idle())
-            while not self.stopping:
+            while not self.is_stopping:
                 try:
                     self._handle(self.commands.get_nowait())
                 except queue.Empty:
                     break
-            if not self.stopping and engine.has_unfinished_requests():
+            if not self.is_stopping and engine.has_unfinished_requests():
                 self._step()
         self.compiling.clear()
         engine.abort_request(engine.in_flight_ids())
 
-    def _next_command_when_idle(self) -> tuple[Any, ...]:
+    def _next_command_when_idle(self) -> Any:
         """Wait for work; meanwhile check the model every IDLE_HEALTH_CHECK_S (a tensor-parallel
         worker that dies while nothing runs raises here: the engine is dead, health says so)."""
         while True:
@@ -240,78 +241,93 @@ class _Core:
     def _step(self) -> None:
         engine = self.engine
         started = time.perf_counter()
-        self.step_started = time.monotonic()
+        self.monitor.step_started = time.monotonic()
         plan = engine.schedule()
         scheduled = time.perf_counter()
         result = engine.execute(plan)
         executed = time.perf_counter()
         outputs = engine.update(plan, result)
-        self.step_started = None
-        stats = (
-            scheduled - started,
-            executed - scheduled,
-            time.perf_counter() - executed,
-            len(result.sampled_token_ids),
-            len(plan.blocks_to_swap_out),
-            len(plan.blocks_to_swap_in),
-        )
+        self.monitor.step_started = None
+        step = step_stats(plan, result, scheduled - started, executed - scheduled, executed)
         phases = None
         now = time.monotonic()
         if now - self.last_phases >= PHASES_INTERVAL_S:
             self.last_phases = now
-            phases = {rid: engine.request_phase(rid) for rid in engine.in_flight_ids()}
-        encoded = [encode_output(out) for out in outputs]
-        self.send((STEP, encoded, stats, _stats_tuple(engine), phases))
+            phases = {rid: engine.request_phase(rid) or "queued" for rid in engine.in_flight_ids()}
+        self._send_outputs(outputs, step, phases)
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == ADD:
-            _, ticket, validated = message
-            if validated.sampling_params.structured_outputs is None:
-                self._add(ticket, validated, None)
-            else:
-                self.compiling[validated.request_id] = (ticket, validated)
-                self.grammar_pool.submit(self._compile, ticket, validated)
-        elif kind == COMPILED:
-            _, ticket, validated, constraint, error = message
-            request_id = validated.request_id
-            entry = self.compiling.get(request_id)
-            if entry is None or entry[0] != ticket:  # aborted while compiling
-                self.send((ADDED, ticket, request_id, "aborted", None, None))
-                return
-            del self.compiling[request_id]
-            if error is not None:
-                self.send((ADDED, ticket, request_id, error, None, None))
-            else:
-                self._add(ticket, validated, constraint)
-        elif kind == ABORT:
-            _, ticket, request_ids = message
-            for request_id in request_ids:
-                self.compiling.pop(request_id, None)  # its compile is dropped when done
-            finals = [encode_output(out) for out in self.engine.abort_request(request_ids)]
-            # a request the child never queued gets no final here: the parent makes it
-            self.send((ABORTED, ticket, request_ids, finals, _stats_tuple(self.engine)))
-        elif kind == STOP:
-            self.stopping = True
+    def _send_outputs(self, outputs: list[RequestOutput], step: Any, phases: Any = None) -> None:
+        for out in outputs:  # the parent's stream has the prompt
+            out.prompt, out.prompt_token_ids = None, []
+        self.send(StepOutputs(outputs, step, self.engine.get_stats(), phases))
 
-    def _compile(self, ticket: int, validated: ValidatedRequest) -> None:
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, AddRequest):
+            request = message.request
+            if request.sampling_params.structured_outputs is None:
+                self._add(request, None)
+            else:
+                self.compiling[request.request_id] = request
+                self.grammar_pool.submit(self._compile, request)
+        elif isinstance(message, _Compiled):
+            self._on_compiled(message)
+        elif isinstance(message, AbortRequests):
+            self._abort(message)
+        elif isinstance(message, Shutdown):
+            self.is_stopping = True
+        elif isinstance(message, _Malformed):
+            logger.error("malformed_message", request_id=message.request_id, cause=message.reason)
+            if message.request_id is not None:
+                self.send(Added(message.request_id, error="the request did not decode"))
+
+    def _abort(self, message: AbortRequests) -> None:
+        finals = self.engine.abort_request(message.request_ids)
+        for request_id in message.request_ids:
+            request = self.compiling.pop(request_id, None)  # its compile is dropped when done
+            if request is not None:
+                finals.append(_aborted_output(request))
+        if finals:
+            self._send_outputs(finals, None)
+        self.send(Aborted(message.ticket, [out.request_id for out in finals]))
+
+    def _compile(self, request: ValidatedRequest) -> None:
         try:
-            constraint = self.engine.validator.check_structured_outputs(validated.sampling_params)
+            constraint = self.engine.validator.check_structured_outputs(request.sampling_params)
         except InvalidRequestError as exc:
-            self.commands.put((COMPILED, ticket, validated, None, (exc.field, exc.description)))
+            self.commands.put(_Compiled(request, None, exc, None))
         except Exception as exc:
-            self.commands.put((COMPILED, ticket, validated, None, (None, repr(exc))))
+            self.commands.put(_Compiled(request, None, None, repr(exc)))
         else:
-            self.commands.put((COMPILED, ticket, validated, constraint, None))
+            self.commands.put(_Compiled(request, constraint, None, None))
 
-    def _add(self, ticket: int, validated: ValidatedRequest, constraint: Any) -> None:
-        try:
-            self.engine.add_validated_request(validated, constraint=constraint)
-        except Exception as exc:  # an engine bug: that request fails, the others go on
-            logger.error("request_failed", request_id=validated.request_id, cause=repr(exc))
-            self.send((ADDED, ticket, validated.request_id, (None, repr(exc)), None, None))
+    def _on_compiled(self, compiled: _Compiled) -> None:
+        request_id = compiled.request.request_id
+        if self.compiling.get(request_id) is not compiled.request:  # aborted while compiling
             return
-        if constraint is not None:
-            self.send(
-                (ADDED, ticket, validated.request_id, None, constraint.kind, constraint.compile_s)
-            )
+        del self.compiling[request_id]
+        if compiled.error is not None:
+            error = compiled.error
+            self.send(Added(request_id, error_field=error.field, error=error.description))
+        elif compiled.bug is not None:
+            logger.error("request_failed", request_id=request_id, cause=compiled.bug)
+            self.send(Added(request_id, error=compiled.bug))
+        else:
+            self._add(compiled.request, compiled.constraint)
+
+    def _add(self, request: ValidatedRequest, constraint: Any) -> None:
+        try:
+            self.engine.add_validated_request(request, constraint=constraint)
+        except Exception as exc:  # an engine bug: that request fails, the others go on
+            logger.error("request_failed", request_id=request.request_id, cause=repr(exc))
+            self.send(Added(request.request_id, error=repr(exc)))
+            return
+        if request.sampling_params.structured_outputs is not None:
+            kind, compile_s = constraint.kind, constraint.compile_s
+            self.send(Added(request.request_id, constraint_kind=kind, compile_s=compile_s))
+
+
+def _aborted_output(request: ValidatedRequest) -> RequestOutput:
+    """The final output of a request aborted before the engine queued it."""
+    n = request.sampling_params.n
+    samples = [CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(n)]
+    return RequestOutput(request.request_id, None, [], samples, finished=True)

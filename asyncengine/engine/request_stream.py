@@ -22,6 +22,7 @@ class RequestStream:
         self.num_samples = num_samples  # SamplingParams.n
         self.prompt: str | None = None  # the text, when the caller sent text
         self.prompt_token_ids: list[int] = []  # set once the prompt is tokenized
+        self.core_id: str | None = None  # the core's id for it, once handed to the core
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
         self._ready = asyncio.Event()

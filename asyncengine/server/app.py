@@ -241,9 +241,9 @@ def make_served_engine(
 ) -> AsyncLLMEngine:
     """The engine `serve` runs: stepping in its own process (--engine-process), or here."""
     if options.engine_process:
-        from asyncengine.engine.process_engine import ProcessAsyncLLMEngine
-
-        return ProcessAsyncLLMEngine(engine_args, make_engine, torch_threads=options.torch_threads)
+        return AsyncLLMEngine.from_engine_args(
+            engine_args, engine_process=True, factory=make_engine, torch_threads=options.torch_threads
+        )
     return AsyncLLMEngine(make_engine(engine_args))
 
 

@@ -1,0 +1,153 @@
+"""What crosses between the front process and the engine process: msgspec structs over ZMQ.
+
+Every message is one tagged struct in one frame; each side decodes with one typed decoder
+(a message that does not decode is logged and, if it names a request, fails that request
+alone). The engine's own dataclasses (`ValidatedRequest`, `RequestOutput`, `EngineStats`)
+travel as they are: msgspec encodes dataclasses and enums natively, several times faster
+than pickle, so there is no second copy of their fields to keep in step.
+
+    front -> engine   AddRequest, AbortRequests, Shutdown
+    engine -> front   Ready, StepOutputs, Added, Aborted, Heartbeat, Failed
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from asyncengine.engine.llm_engine import EngineStats
+from asyncengine.engine.validator import ValidatedRequest
+from asyncengine.outputs import RequestOutput
+
+
+@dataclass
+class StepStats:
+    """What one step took and moved, for an `EngineObserver`."""
+
+    schedule_s: float
+    execute_s: float  # block moves, forward and sampling
+    update_s: float  # token appends, stop checks, detokenization
+    num_generated_tokens: int
+    num_blocks_swapped_out: int
+    num_blocks_swapped_in: int
+
+
+# -- front -> engine ------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """Queue a validated request (its id is the core's own, unique per engine)."""
+
+    request_id: str
+    request: ValidatedRequest
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Abort requests by core id; `Aborted` with the same ticket answers after their finals."""
+
+    ticket: int
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Abort what is in flight and exit."""
+
+
+ToEngine = AddRequest | AbortRequests | Shutdown
+
+
+# -- engine -> front ------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """The engine is built: what the front door needs that only the engine knows."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_gpu_blocks: int
+    stats: EngineStats
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
+    """One step's outputs (or an abort's finals: `step` None) and the engine's figures.
+
+    Outputs carry no prompt: the front's stream has it. `phases` (every request's phase, for
+    heartbeats to callers) comes at most every few hundred milliseconds.
+    """
+
+    outputs: list[RequestOutput]
+    step: StepStats | None
+    stats: EngineStats
+    phases: dict[str, str] | None = None
+
+
+class Added(msgspec.Struct, tag=True, array_like=True):
+    """The answer to a constrained `AddRequest` (or to one the engine could not queue).
+
+    `error_field` names the invalid field (an `InvalidRequestError`); `error` alone, without
+    a field, is an engine bug queuing it; `is_aborted`: aborted while its grammar compiled.
+    """
+
+    request_id: str
+    is_aborted: bool = False
+    error_field: str | None = None
+    error: str | None = None
+    constraint_kind: str | None = None
+    compile_s: float | None = None
+
+
+class Aborted(msgspec.Struct, tag=True, array_like=True):
+    """The answer to `AbortRequests`: the ids it aborted (a request that finished in the step
+    the abort raced is not among them). Their finals came in a `StepOutputs` before this."""
+
+    ticket: int
+    request_ids: list[str]
+
+
+class Heartbeat(msgspec.Struct, tag=True, array_like=True):
+    """Sent every heartbeat interval by a thread of its own, whatever the steps are doing."""
+
+
+class Failed(msgspec.Struct, tag=True, array_like=True):
+    """The engine process is dying: why, its traceback, and the exception pickled when it
+    comes back whole (a start-up `ValueError` is raised in the front as it would in-process)."""
+
+    reason: str
+    traceback: str
+    exception: bytes | None = None
+
+    @classmethod
+    def of(cls, reason: str, traceback: str, exc: BaseException | None) -> Failed:
+        pickled = None
+        if exc is not None:
+            try:
+                pickled = pickle.dumps(exc)
+                pickle.loads(pickled)  # one that does not come back whole is not sent
+            except Exception:
+                pickled = None
+        return cls(reason, traceback, pickled)
+
+    def error(self) -> BaseException:
+        if self.exception is not None:
+            exc = pickle.loads(self.exception)
+            if isinstance(exc, BaseException):
+                return exc
+        return RuntimeError(self.reason)
+
+
+FromEngine = Ready | StepOutputs | Added | Aborted | Heartbeat | Failed
+
+
+def request_id_of_malformed(frame: bytes) -> str | None:
+    """The request id of an `AddRequest` whose request did not decode, if it can be read."""
+    try:
+        raw: Any = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and len(raw) >= 2 and raw[0] == "AddRequest":
+        request_id = raw[1]
+        return request_id if isinstance(request_id, str) else None
+    return None
