@@ -8,6 +8,7 @@ torch), so each test builds as few engines as it can.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -254,7 +255,7 @@ import os, sys, time
 import torch
 from asyncengine import LLM, SamplingParams
 
-if __name__ == "__main__":  # spawn re-imports this module in the worker
+if __name__ == "__main__":  # not needed (the workers never re-run it), and still fine
     torch.set_num_threads(1)
     llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", max_num_seqs=2,
               tensor_parallel_size=2)
@@ -311,6 +312,56 @@ def test_no_worker_outlives_an_llm_script(
     elif ending == "ctrl-c":
         assert "KeyboardInterrupt" in err
     assert wait_gone(pids) == [], f"orphaned workers {pids} after {ending}"
+
+
+# -- workers start however the user's program was started ------------------------------------
+
+# no main guard: the workers must not re-run it (spawn re-imported `__main__` in each child)
+_UNGUARDED_SCRIPT = """
+import json
+import torch
+from asyncengine import LLM, SamplingParams
+
+torch.set_num_threads(1)
+llm = LLM(model={model!r}, device="cpu", dtype="float32", seed=0, block_size=16,
+          max_num_seqs=16, tensor_parallel_size=2)
+params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+outs = llm.generate({prompts!r}, params, use_tqdm=False)
+print("tokens", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+llm.shutdown()
+"""
+
+LAUNCHES = ["stdin", "script", "python-c", "python-m"]  # python -m: a notebook kernel's way
+
+
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_workers_start_from_stdin_a_script_without_a_guard_c_and_m(
+    launch: str, model_dir: ModelDirFactory, tmp_path: Path
+) -> None:
+    path = model_dir("llama")
+    prompts = HF_PROMPTS[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = make_llm(path).generate(prompts, params, use_tqdm=False)
+    script = _UNGUARDED_SCRIPT.format(model=str(path), prompts=prompts)
+    (tmp_path / "tp_job.py").write_text(script)
+    command, stdin = {
+        "stdin": (["-"], script),
+        "script": ([str(tmp_path / "tp_job.py")], None),
+        "python-c": (["-c", script], None),
+        "python-m": (["-m", "tp_job"], None),
+    }[launch]
+    proc = subprocess.run(
+        [sys.executable, *command],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("tokens ")]
+    assert json.loads(line.removeprefix("tokens ")) == [o.outputs[0].token_ids for o in single]
 
 
 # -- ranks on another node ---------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """The driver of tensor parallelism: stands where `ModelRunner` stands in `LLMEngine`.
 
-Rank 0 is the engine process. It starts ranks 1..N-1 of its node (torch.multiprocessing,
-spawn; ranks on other nodes come from `asyncengine worker`), runs its own `ModelRunner` over
-its shard, and tells the workers each step's block moves and forward inputs just before its
-own forward (`channel.py`), then asks them into each logits gather. Sampling, the scheduler
-and every request's state stay here, on rank 0.
+Rank 0 is the engine process. It starts ranks 1..N-1 of its node (spawned without the user's
+`__main__`, `processes.py`; ranks on other nodes come from `asyncengine worker`), runs its own
+`ModelRunner` over its shard, and tells the workers each step's block moves and forward inputs
+just before its own forward (`channel.py`), then asks them into each logits gather. Sampling,
+the scheduler and every request's state stay here, on rank 0.
 
 Failures are engine-fatal and bounded: a worker that exits is seen at once (its process
 sentinel; gloo also fails the collective in flight), one that hangs fails the driver's next

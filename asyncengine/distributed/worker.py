@@ -1,6 +1,6 @@
 """A tensor-parallel worker process: its shard of the model and KV cache, run as the driver says.
 
-Ranks 1..N-1 run `worker_main` (started by the driver with torch.multiprocessing's spawn, or
+Ranks 1..N-1 run `worker_main` (started by the driver with `processes.start_process`, or
 by `asyncengine worker` on another node). A worker holds no request state: it applies each
 step's block moves, runs the forward over its heads, and joins the logits gather; the driver
 samples. It ends on the driver's SHUTDOWN, when the driver's connection closes, when its
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from asyncengine.config import EngineConfig
 from asyncengine.distributed.channel import ControlChannel, Kind
@@ -33,6 +32,7 @@ from asyncengine.distributed.parallel_state import (
     wait_for_every_rank,
 )
 from asyncengine.logging import configure_logging, get_logger
+from asyncengine.processes import start_process
 from asyncengine.worker.forward_context import set_forward_context
 from asyncengine.worker.model_runner import ModelRunner
 
@@ -53,23 +53,20 @@ def rank_config(config: EngineConfig) -> EngineConfig:
 
 
 def start_workers(config: EngineConfig, ranks: range, init_method: str) -> list[Any]:
-    """Start ranks `ranks` of this node as spawned processes (daemons: they die with us)."""
+    """Start ranks `ranks` of this node as spawned processes (daemons: they die with us) that
+    do not re-run the user's `__main__`, so a script needs no main guard (`processes.py`)."""
     level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
     settings = {"num_threads": torch.get_num_threads(), "log_level": level}
-    context = mp.get_context("spawn")
     per_node = config.parallel_config.ranks_per_node
-    processes = [
-        context.Process(
-            target=worker_main,
-            args=(rank, rank % per_node, rank_config(config), init_method, os.getpid(), settings),
+    return [
+        start_process(
+            worker_main,
+            (rank, rank % per_node, rank_config(config), init_method, os.getpid(), settings),
             name=f"asyncengine-tp-rank-{rank}",
             daemon=True,
         )
         for rank in ranks
     ]
-    for process in processes:
-        process.start()
-    return processes
 
 
 def run_node(config: EngineConfig, node_rank: int) -> int:
