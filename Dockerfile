@@ -23,7 +23,6 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY asyncengine ./asyncengine
-COPY kernels ./kernels
 RUN pip install . && rm -rf /src
 
 # an unprivileged user whose home holds triton's kernel cache

@@ -15,7 +15,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site
 fi
-# asyncengine.kernels is the kernels/ folder: install the package itself (offline, no deps)
+# the package itself, editable (offline, no deps), for the benchmarks and the test below
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

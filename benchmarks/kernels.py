@@ -36,12 +36,12 @@ SPEC_GBPS = {"H200": 4800.0, "H100": 3352.0, "A100": 1935.0}  # vendor HBM bandw
 
 
 def import_kernels() -> ModuleType:
-    """asyncengine.kernels when installed, else the repo's kernels/ directory as a package."""
+    """asyncengine.kernels, installed or else from this checkout."""
     try:
         return importlib.import_module("asyncengine.kernels")
     except ImportError:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        return importlib.import_module("kernels")
+        return importlib.import_module("asyncengine.kernels")
 
 
 # -- timing ----------------------------------------------------------------------------------

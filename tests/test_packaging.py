@@ -3,11 +3,22 @@ the `cuda` extra (and `dev`, for the kernel tests), and nothing imports it unles
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from asyncengine.testing import free_ports
+from asyncengine.worker import cpu_ops
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV_TOOLS = ("pytest", "hypothesis", "ruff", "mypy", "grpcio-tools", "matplotlib")
@@ -80,8 +91,146 @@ def test_engine_and_server_run_where_triton_is_not_installed(model_dir, tmp_path
         text=True,
         timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-        # from the checkout's root, where Python also finds kernels/ as a top-level package
-        # that transformers imports while it probes for Hugging Face's `kernels`
-        cwd=ROOT,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# -- a built wheel, installed without -e, serves ------------------------------------------------
+
+# what the Dockerfile copies into the image before its `pip install .`
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "asyncengine")
+
+# Run by the wheel's venv, with the stubs the wheel installed.
+STREAM_ONE = """
+import json, sys
+import grpc
+import asyncengine
+from asyncengine.v1 import control_pb2, control_pb2_grpc, generation_pb2 as pb, generation_pb2_grpc
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    info = control_pb2_grpc.ControlStub(channel).GetModelInfo(control_pb2.GetModelInfoRequest())
+    request = pb.GenerateRequest(
+        text="The",
+        stopping=pb.StoppingOptions(max_new_tokens=4, ignore_eos=True),
+        response=pb.ResponseOptions(return_token_ids=True),
+    )
+    stream = generation_pb2_grpc.GenerationStub(channel).GenerateStream(request, timeout=60)
+    responses = list(stream)
+print(json.dumps({
+    "file": asyncengine.__file__,
+    "model": info.model_name,
+    "events": [r.WhichOneof("event") for r in responses],
+    "token_ids": [i for r in responses if r.HasField("delta") for i in r.delta.token_ids],
+}))
+"""
+
+
+def _run(command: list[str | Path], **kwargs: Any) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)
+    assert result.returncode == 0, f"{command} exited {result.returncode}:\n{result.stderr[-3000:]}"
+    return result.stdout
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    """A wheel of the checkout, built from a copy so the build leaves nothing in the tree."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in WHEEL_SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    dist = tmp_path / "dist"
+    # this environment's setuptools: no index needed, and seconds faster than an isolated build
+    pip_wheel: list[str | Path] = [
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        dist,
+        src,
+    ]
+    _run([sys.executable, "-m", "pip", *pip_wheel])
+    (wheel,) = dist.glob("asyncengine-*.whl")
+    return wheel
+
+
+def _venv_with_these_dependencies(venv: Path, env: dict[str, str], cwd: Path) -> Path:
+    """A fresh venv whose sys.path ends with this environment's site-packages: the dependencies
+    without the project (Python runs no .pth file of a plain path line's directory, so no
+    editable-install finder). Returns the venv's own site-packages."""
+    _run([sys.executable, "-m", "venv", "--without-pip", venv])
+    python = venv / "bin" / "python"
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site_packages = Path(_run([python, "-c", code]).strip())
+    ours = sysconfig.get_paths()
+    (site_packages / "dependencies.pth").write_text(f"{ours['purelib']}\n{ours['platlib']}\n")
+    code = "import importlib.util; print(importlib.util.find_spec('asyncengine'))"
+    assert _run([python, "-c", code], env=env, cwd=cwd).strip() == "None", "the checkout leaks in"
+    return site_packages
+
+
+def _wait_serving(proc: subprocess.Popen[bytes], target: str, log: Path) -> None:
+    serving = health_pb2.HealthCheckResponse.SERVING
+    deadline = time.monotonic() + 180
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"serve exited {proc.returncode}:\n{log.read_text()}"
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == serving:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"serve not SERVING after 180 s:\n{log.read_text()}")
+
+
+def test_a_built_wheel_installed_without_e_serves_its_default_model(tmp_path: Path) -> None:
+    wheel = _build_wheel(tmp_path)
+    elsewhere = tmp_path / "elsewhere"  # the working directory: outside the checkout
+    elsewhere.mkdir()
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"OMP_NUM_THREADS": "1", "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"}
+    site_packages = _venv_with_these_dependencies(venv, env, elsewhere)
+    pip_install: list[str | Path] = [
+        "--python",
+        venv / "bin" / "python",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-index",
+    ]
+    _run([sys.executable, "-m", "pip", *pip_install, wheel])
+
+    (port,) = free_ports(1)
+    target = f"127.0.0.1:{port}"
+    serve = ["serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    log = tmp_path / "serve.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(
+            [venv / "bin" / "asyncengine", *serve, "--torch-threads", "1"],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+            cwd=elsewhere,
+        )
+        try:
+            _wait_serving(proc, target, log)
+            out = _run([venv / "bin" / "python", "-c", STREAM_ONE, target], env=env, cwd=elsewhere)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            returncode = proc.wait(60)
+    reply = json.loads(out)
+    # the client's asyncengine is the wheel's, and so is the server's: the bundled default model
+    # it serves is found beside the package it imported
+    assert Path(reply["file"]).is_relative_to(site_packages), reply["file"]
+    assert Path(reply["model"]) == site_packages / "asyncengine" / "default_model", reply["model"]
+    assert reply["events"][0] == "accepted" and reply["events"][-2:] == ["finished", "usage"]
+    assert len(reply["token_ids"]) == 4, reply
+    assert returncode == 0, log.read_text()
+    if cpu_ops.is_loaded():  # the wheel ships these C++ sources, so it loads their cached build
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        (ready,) = [r for r in records if r.get("event") == "cpu_ops_ready"]
+        assert ready["was_built"] is False, ready

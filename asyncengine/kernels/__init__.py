@@ -1,10 +1,7 @@
 """Triton kernels for the paged KV cache, each with a plain-torch reference beside it.
 
 Importing this package imports nothing yet: each name loads its module, and with it triton, on
-first use. So `import asyncengine` never needs triton (a CPU install has none), and this folder,
-which Python also finds as a top-level `kernels` package when it runs from the repository root,
-does not break transformers: it probes for Hugging Face's `kernels` package by that name, and
-finds no version here instead of an import of triton.
+first use. So `import asyncengine` never needs triton (a CPU install has none).
 
 Set TRITON_INTERPRET=1 before the first use to run the kernels on CPU tensors with Triton's
 interpreter (what the tests do). The kernel tests pass under the interpreters of triton 3.9
