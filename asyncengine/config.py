@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from asyncengine.model_files import load_hf_config, resolve_model_path
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's (and torch's) other names
 DEVICES = ("auto", "cuda", "cpu")
@@ -243,8 +245,6 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the frozen config (loads the model's config.json)."""
         self._validate()
-        from asyncengine.models.loader import load_hf_config, resolve_model_path
-
         model_path = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path)
         max_model_len = _derive_max_model_len(hf_config, self.max_model_len)

@@ -1,55 +1,23 @@
-"""Find a model directory, read its config, build the model and load its safetensors weights."""
+"""Build the model its config names and load its safetensors weights (`asyncengine.model_files`
+finds the directory and its files)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from asyncengine.distributed.parallel_state import TensorParallelGroup
-
-
-def resolve_model_path(model: str) -> str:
-    """A local directory as is; else a Hugging Face hub id, fetched when a network exists."""
-    if os.path.isdir(model):
-        return model
-    if os.path.exists(model):
-        raise ValueError(f"model {model!r} is a file; pass a directory with config.json")
-    if model.startswith(("/", "./", "../", "~")):
-        raise ValueError(f"model {model!r} is not a local directory")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(
-            model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]
-        )
-    except Exception as exc:  # offline, unknown id, gated repo: all end the same way
-        raise ValueError(
-            f"model {model!r} is not a local directory and could not be fetched from the "
-            f"Hugging Face hub ({type(exc).__name__}: {exc})"
-        ) from exc
-
-
-def load_hf_config(model_path: str) -> Any:
-    from transformers import AutoConfig
-
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise ValueError(f"model directory {model_path!r} has no config.json")
-    return AutoConfig.from_pretrained(model_path)
+from asyncengine.model_files import weight_files
 
 
 def _iter_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
     """(name, lazy slice) per checkpoint tensor: the model reads only the part it holds."""
     from safetensors import safe_open
 
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model directory {model_path!r} has no *.safetensors weights")
-    for file in files:
+    for file in weight_files(model_path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 yield name, f.get_slice(name)
