@@ -46,3 +46,8 @@ class EngineDeadError(RuntimeError):
 
     The message is the same for every stream: it never carries another request's values.
     """
+
+
+class KVCacheSizingError(RuntimeError):
+    """At start-up: the memory budget cannot hold the KV cache the settings need; the message
+    says which setting to change (the CLI prints it as one line)."""

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from asyncengine.config import EngineArgs
+from asyncengine.errors import KVCacheSizingError
 from asyncengine.logging import configure_logging, default_log_level
 from asyncengine.server.options import add_serve_args
 
@@ -147,8 +148,6 @@ def main(argv: list[str] | None = None, make_engine: EngineFactory | None = None
     ns = parser.parse_args(argv)
     default = "WARNING" if ns.command == "generate" else "INFO"
     configure_logging(ns.log_level or default_log_level(default))
-    from asyncengine.worker.kv_sizing import KVCacheSizingError
-
     try:
         if ns.command == "worker":
             return _worker(ns)

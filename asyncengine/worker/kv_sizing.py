@@ -13,14 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncengine.config import EngineConfig, SchedulerConfig
+from asyncengine.errors import KVCacheSizingError
 
 GiB = 1 << 30
-
-
-class KVCacheSizingError(RuntimeError):
-    """The memory budget cannot hold the KV cache the settings need; the message says which
-    setting to change (the CLI prints it as one line)."""
-
 
 # host memory that pinned swap blocks must leave to the process and the OS
 HOST_RESERVE_FRACTION = 0.1
