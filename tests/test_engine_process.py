@@ -8,6 +8,7 @@ grammars and shutdown must end every stream with its final output or an error.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import json
@@ -18,6 +19,7 @@ import time
 from typing import Any
 
 import pytest
+import uvloop
 
 from asyncengine import (
     AsyncLLMEngine,
@@ -415,3 +417,133 @@ def test_a_bad_setting_or_a_failed_start_raises_what_it_would_in_process(model_d
 
 def _fails_to_start(args: EngineArgs) -> Any:
     raise ValueError("no block for you")
+
+
+# -- the channel: any size, any burst, under uvloop (as `serve` runs) --------------------------
+
+
+def test_a_message_of_any_size_goes_through(engine) -> None:
+    """generation.proto's largest choice (256 strings of 1,024 characters): the pipe before
+    the ZMQ channel died on any message its socket buffer could not take at once (uvloop
+    leaves the fd non-blocking)."""
+    choices = [f"{i:04d}" * 256 for i in range(256)]
+    constrained = SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(choice=choices)
+    )
+
+    async def main() -> None:
+        outs = await collect(engine, "pick one", constrained, "choice")
+        text = outs[-1].outputs[0].text
+        assert text and any(choice.startswith(text) for choice in choices), text
+        assert_nothing_left(engine)
+
+    uvloop.run(main())
+    assert not engine.errored
+
+
+def test_a_60_mib_request_goes_through(model_dir) -> None:
+    """A prompt of 20 M token ids (60 MiB on the channel) in a context that holds it."""
+    num_tokens = 20_000_000
+    model = model_dir("llama", max_position_embeddings=1 << 25)
+    args = engine_args(
+        model_dir,
+        model=str(model),
+        block_size=1024,
+        num_gpu_blocks_override=(num_tokens >> 10) * 11 // 10,
+        max_num_batched_tokens=1 << 25,
+        enable_prefix_caching=False,
+    )
+    engine = process_engine(args, functools.partial(hooked_llm_engine, fake_runner=True))
+    prompt = [200 + i % 300 for i in range(num_tokens)]  # 3 bytes each in msgpack
+
+    async def main() -> RequestOutput:
+        outs = await collect(engine, prompt, SamplingParams(max_tokens=2, ignore_eos=True), "big")
+        assert_nothing_left(engine)
+        return outs[-1]
+
+    try:
+        final = uvloop.run(main())
+        assert len(final.prompt_token_ids) == num_tokens
+        assert len(final.outputs[0].token_ids) == 2
+        assert not engine.errored
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_a_burst_of_a_thousand_long_prompts_is_served(model_dir) -> None:
+    """1,000 prompts of 1,000 token ids at once (what admission lets in): the engine lives and
+    every one finishes."""
+    args = engine_args(model_dir, max_model_len=2048, num_gpu_blocks_override=1 << 17)
+    engine = process_engine(args, functools.partial(hooked_llm_engine, fake_runner=True))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(1000)] for _ in range(1000)]
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def main() -> list[list[RequestOutput]]:
+        results = await asyncio.gather(
+            *(collect(engine, p, params, f"b{i}") for i, p in enumerate(prompts))
+        )
+        assert_nothing_left(engine)
+        return list(results)
+
+    try:
+        results = uvloop.run(main())
+        assert all(len(outs[-1].outputs[0].token_ids) == 2 for outs in results)
+        assert not engine.errored
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+# -- liveness: a heartbeat, not the steps, says the engine process is alive ----------------------
+
+
+def _one_long_step(args: EngineArgs) -> Any:
+    """Scripted tokens; the first step holds the GIL in Python for 3 s (a long CPU-bound
+    prefill at its worst for a heartbeat thread), the later ones take 10 ms each."""
+    engine = hooked_llm_engine(args, fake_runner=True, step_delay_s=0.01)
+    execute, num_steps = engine.execute, 0
+
+    def execute_slowly_once(plan: Any) -> Any:
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 1:
+            until = time.monotonic() + 3.0
+            while time.monotonic() < until:
+                pass
+        return execute(plan)
+
+    engine.execute = execute_slowly_once
+    return engine
+
+
+def test_a_frozen_engine_is_dead_within_the_heartbeat_deadline_and_a_long_step_is_not(
+    model_dir,
+) -> None:
+    deadline_s = 1.5
+    engine = process_engine(engine_args(model_dir), _one_long_step, heartbeat_timeout_s=deadline_s)
+
+    async def main() -> float:
+        # a step twice as long as the deadline: the heartbeat goes on beside it
+        outs = await collect(engine, "long", SamplingParams(max_tokens=3, ignore_eos=True), "l")
+        assert outs[-1].finished and not engine.errored
+        params = SamplingParams(max_tokens=2000, ignore_eos=True)
+        tasks = [asyncio.create_task(collect(engine, "x", params, f"f{i}")) for i in range(4)]
+        await asyncio.sleep(0.3)
+        os.kill(process_of(engine).pid, signal.SIGSTOP)  # frozen, not dead
+        stopped = time.monotonic()
+        done, pending = await asyncio.wait(tasks, timeout=10 * deadline_s)
+        detected_s = time.monotonic() - stopped
+        assert not pending, "streams still open: the frozen engine was not noticed"
+        for task in done:
+            assert isinstance(task.exception(), EngineDeadError), task.exception()
+        assert engine.errored
+        await engine.shutdown()
+        return detected_s
+
+    try:
+        detected_s = asyncio.run(main())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process_of(engine).pid, signal.SIGKILL)
+    assert deadline_s <= detected_s < deadline_s + 2.0
+    assert not process_of(engine).is_alive()
