@@ -3,6 +3,7 @@ the `cuda` extra (and `dev`, for the kernel tests), and nothing imports it unles
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -140,16 +141,12 @@ def _build_wheel(tmp_path: Path) -> Path:
         else:
             shutil.copy2(ROOT / name, src / name)
     dist = tmp_path / "dist"
-    # this environment's setuptools: no index needed, and seconds faster than an isolated build
-    pip_wheel: list[str | Path] = [
-        "wheel",
-        "-q",
-        "--no-deps",
-        "--no-build-isolation",
-        "-w",
-        dist,
-        src,
-    ]
+    pip_wheel: list[str | Path] = ["wheel", "-q", "--no-deps", "-w", dist, src]
+    try:  # this environment's setuptools, if pyproject.toml accepts it: no index, seconds faster
+        if int(importlib.metadata.version("setuptools").split(".")[0]) >= 68:
+            pip_wheel.append("--no-build-isolation")
+    except importlib.metadata.PackageNotFoundError:
+        pass  # pip fetches it for an isolated build
     _run([sys.executable, "-m", "pip", *pip_wheel])
     (wheel,) = dist.glob("asyncengine-*.whl")
     return wheel
