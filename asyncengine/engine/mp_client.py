@@ -13,7 +13,6 @@ import asyncio
 import atexit
 import contextlib
 import itertools
-import multiprocessing
 import shutil
 import tempfile
 import threading
@@ -46,6 +45,7 @@ from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
 from asyncengine.logging import get_logger, logging_settings
 from asyncengine.outputs import RequestOutput
+from asyncengine.processes import start_process
 
 logger = get_logger(__name__)
 
@@ -105,15 +105,12 @@ class MPClient:
             heartbeat_interval_s=min(HEARTBEAT_INTERVAL_S, heartbeat_timeout_s / 4),
         )
         started = time.perf_counter()
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(factory, args, options),
-            name="asyncengine-core",
-            # not a daemon: it starts tensor-parallel workers of its own. It stops on Shutdown
-            # or when this process ends, and `_stop_at_exit` sees to that
-            daemon=False,
+        # spawned without re-running the caller's __main__ (a script without a main guard,
+        # stdin, a notebook); not a daemon: it starts tensor-parallel workers of its own. It
+        # stops on Shutdown or when this process ends, and `_stop_at_exit` sees to that
+        self._process = start_process(
+            run_engine_core, (factory, args, options), name="asyncengine-core", daemon=False
         )
-        self._process.start()
         atexit.register(_stop_at_exit, weakref.ref(self))
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromEngine)
