@@ -1,4 +1,5 @@
-"""Build and run the gRPC server: options, TLS, auth, health, reflection, signals, engine watch."""
+"""Build and run a server: the core's state, its front ends (gRPC with TLS, auth, health and
+reflection; the HTTP API beside it), metrics, signals and the engine watch."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
 from grpc_reflection.v1alpha import reflection
 
 from asyncengine.config import EngineArgs
@@ -22,14 +24,17 @@ from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
-from asyncengine.server.convert import FinishReason
 from asyncengine.server.decode import MalformedRequestInterceptor
+from asyncengine.server.health import SERVICE_NAMES, GrpcHealth
 from asyncengine.server.metrics import ServerMetrics
 from asyncengine.server.options import ServeOptions, check_options
 from asyncengine.server.servicer_control import ControlServicer
 from asyncengine.server.servicer_generation import GenerationServicer
-from asyncengine.server.state import LIVENESS_SERVICE, SERVICE_NAMES, ServerState
+from asyncengine.server.state import ServerState
 from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
+
+if TYPE_CHECKING:
+    from asyncengine.server.http import HttpServer
 
 logger = get_logger(__name__)
 
@@ -72,7 +77,7 @@ def server_credentials(options: ServeOptions) -> grpc.ServerCredentials | None:
     )
 
 
-def build_server(state: ServerState) -> tuple[grpc.aio.Server, int]:
+def build_server(state: ServerState, health: GrpcHealth) -> tuple[grpc.aio.Server, int]:
     """The grpc.aio server with every service added and its port bound (not started)."""
     options = state.options
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -90,9 +95,9 @@ def build_server(state: ServerState) -> tuple[grpc.aio.Server, int]:
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(state), server)
-    health_pb2_grpc.add_HealthServicer_to_server(state.health, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if options.reflection:
-        names = (*SERVICE_NAMES, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        names = (*SERVICE_NAMES, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, server)
     host = f"[{options.host}]" if ":" in options.host else options.host
     address = f"{host}:{options.port}"
@@ -106,16 +111,54 @@ def build_server(state: ServerState) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
+class FrontEnds:
+    """The protocols one server answers on, peers over one server core: gRPC (with health)
+    and, with --http-port, the OpenAI-compatible HTTP API. Started and stopped together."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._options = state.options
+        self.health = GrpcHealth()
+        state.on_readiness(self.health.set_ready)  # a drain turns it NOT_SERVING, Resume back
+        self.grpc, self.port = build_server(state, self.health)
+        self.http: HttpServer | None = None
+        if state.options.http_port is not None:
+            from asyncengine.server.http import HttpServer  # FastAPI loads only when it serves
+
+            self.http = HttpServer(state)
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
+    async def start(self) -> None:
+        """Open every port; readiness is SERVING once they all are."""
+        await self.health.set_ready(False)
+        await self.grpc.start()
+        if self.http is not None:
+            assert self._options.http_port is not None
+            http_port = await self.http.start(self._options.http_port)
+            logger.info("http_serving", host=self.http.host, port=http_port, api="openai")
+        await self.health.set_live()
+        await self.health.set_ready(True)
+
+    async def stop(self) -> None:
+        """Tell health watchers, then close every port (HTTP first: it answers no watcher)."""
+        await self.health.shut_down()
+        if self.http is not None:
+            await self.http.stop()
+        await self.grpc.stop(_STOP_GRACE_S)
+
+
 async def start(
     engine: AsyncLLMEngine, options: ServeOptions
-) -> tuple[grpc.aio.Server, ServerState, int]:
-    """Start serving `engine` (health SERVING once the port is open); returns the bound port.
+) -> tuple[FrontEnds, ServerState, int]:
+    """Start serving `engine` on every front end (health SERVING once the ports are open);
+    returns the front ends, the server core's state and the bound gRPC port.
 
     With `options.metrics_port` set, /metrics is served too (`state.metrics.port`).
     """
-    state = ServerState(engine, options, health.aio.HealthServicer())
-    await state.set_serving(False)
-    server, port = build_server(state)
+    state = ServerState(engine, options)
+    front_ends = FrontEnds(state)
     if options.metrics_port is not None or options.http_port is not None:
         # one registry, on --metrics-port and on the HTTP API's /metrics alike
         state.metrics = ServerMetrics(engine, state.abort_reason_of)
@@ -125,34 +168,23 @@ async def start(
         host = options.metrics_host or options.host
         metrics_port = state.metrics.start_http(host, options.metrics_port)
         logger.info("metrics_serving", host=host, port=metrics_port, path="/metrics")
-    await server.start()
-    if options.http_port is not None:
-        from asyncengine.server.http import HttpServer  # FastAPI loads only when it serves
-
-        state.http = HttpServer(state)
-        http_port = await state.http.start(options.http_port)
-        logger.info("http_serving", host=state.http.host, port=http_port, api="openai")
-    await state.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    await state.set_serving(True)
+    await front_ends.start()
     logger.info(
-        "serving", host=options.host, port=port, tls=bool(options.tls_cert),
+        "serving", host=options.host, port=front_ends.port, tls=bool(options.tls_cert),
         mtls=bool(options.tls_client_ca), auth=bool(options.auth_tokens),
     )  # fmt: skip
-    return server, state, port
+    return front_ends, state, front_ends.port
 
 
-async def stop(server: grpc.aio.Server, state: ServerState) -> int:
-    """Drain (unless the engine is dead), stop the server and the engine; the exit code."""
+async def stop(front_ends: FrontEnds, state: ServerState) -> int:
+    """Drain (unless the engine is dead), stop the front ends and the engine; the exit code."""
     engine = state.engine
     state.is_stopping = True  # this drain is final: Resume no longer undoes it
     if not engine.errored:
         await state.drain(state.options.drain_grace_period)
     else:
         logger.error("engine_dead_shutting_down", in_flight=len(state.flights))
-    await state.health.enter_graceful_shutdown()
-    if state.http is not None:
-        await state.http.stop()
-    await server.stop(_STOP_GRACE_S)
+    await front_ends.stop()
     exit_code = 1 if engine.errored else 0
     await engine.shutdown()
     if state.metrics is not None:
@@ -163,7 +195,7 @@ async def stop(server: grpc.aio.Server, state: ServerState) -> int:
 
 async def serve(engine: AsyncLLMEngine, options: ServeOptions) -> int:
     """Serve until SIGTERM/SIGINT (drain, then 0) or until the engine dies (1)."""
-    server, state, _ = await start(engine, options)
+    front_ends, state, _ = await start(engine, options)
     stop_requested = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -175,14 +207,13 @@ async def serve(engine: AsyncLLMEngine, options: ServeOptions) -> int:
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     for waiter in waiters:
         waiter.cancel()
-    return await stop(server, state)
+    return await stop(front_ends, state)
 
 
 def _on_signal(state: ServerState, stop: asyncio.Event, signum: int) -> None:
     if stop.is_set():  # a second signal: stop waiting for the grace period
         logger.warning("second_signal_aborting_all", signal=signal.Signals(signum).name)
-        abort = state.abort(list(state.flights), FinishReason.ABORTED_BY_SERVER)
-        state.background(abort)
+        state.background(state.abort_all())
         return
     logger.info("shutdown_requested", signal=signal.Signals(signum).name)
     stop.set()

@@ -15,6 +15,7 @@ from asyncengine.sampling_params import (
     StructuredOutputsParams,
 )
 from asyncengine.server.errors import InvalidFieldError
+from asyncengine.server.state import AbortReason
 from asyncengine.v1 import control_pb2, generation_pb2
 
 FinishReason = generation_pb2.FinishReason
@@ -56,6 +57,12 @@ _FINISH_REASONS = {
     EngineFinish.LENGTH: FinishReason.LENGTH,
     EngineFinish.CONTEXT_LIMIT: FinishReason.CONTEXT_LIMIT,
     EngineFinish.CACHE_LIMIT: FinishReason.CACHE_LIMIT,
+}
+# why the server aborted a request -> its proto reason; the mapping exists here only
+_ABORT_REASONS = {
+    AbortReason.CANCELLED: FinishReason.CANCELLED,
+    AbortReason.TIME_LIMIT: FinishReason.TIME_LIMIT,
+    AbortReason.ABORTED_BY_SERVER: FinishReason.ABORTED_BY_SERVER,
 }
 _PHASES: dict[str, generation_pb2.Heartbeat.Phase] = {
     "queued": Phase.QUEUED,
@@ -152,13 +159,16 @@ def sampling_params(
 
 
 def finish_reason(
-    completion: CompletionOutput, abort_reason: int | None
+    completion: CompletionOutput, abort_reason: AbortReason | None
 ) -> tuple[int, str, int | None]:
-    """(FinishReason, matched stop string, matched stop token id) of a finished sample."""
+    """(FinishReason, matched stop string, matched stop token id) of a finished sample;
+    `abort_reason` says why the server aborted it (None: not the server, or not aborted)."""
     finish, stop = completion.finish, completion.stop_reason
     assert finish is not None, "the sample has not finished"
     if finish is EngineFinish.ABORTED:
-        return abort_reason or FinishReason.ABORTED_BY_SERVER, "", None
+        if abort_reason is None:
+            return FinishReason.ABORTED_BY_SERVER, "", None
+        return _ABORT_REASONS[abort_reason], "", None
     reason = _FINISH_REASONS[finish]
     if finish is EngineFinish.STOP_STRING:
         return reason, str(stop), None

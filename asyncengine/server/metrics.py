@@ -20,15 +20,16 @@ from prometheus_client.registry import Collector
 import asyncengine
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine, StepStats
 from asyncengine.outputs import RequestOutput
-from asyncengine.v1 import generation_pb2
+from asyncengine.server.state import AbortReason
 
 P = "asyncengine_"
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "aborted", "error")
-_FinishReason = generation_pb2.FinishReason
-# why the server aborted a request (Flight.abort_reason) -> the finished-request label
-_ABORT_LABELS: dict[int | None, str] = {
-    _FinishReason.TIME_LIMIT: "deadline",
-    _FinishReason.ABORTED_BY_SERVER: "aborted",
+# why the server aborted a request (Flight.abort_reason) -> the finished-request label; an
+# aborted request with no reason was left by its client: "cancelled" too
+_ABORT_LABELS = {
+    AbortReason.CANCELLED: "cancelled",
+    AbortReason.TIME_LIMIT: "deadline",
+    AbortReason.ABORTED_BY_SERVER: "aborted",
 }
 
 # seconds; wide ranges, as a CPU box and an H100 differ by orders of magnitude
@@ -111,7 +112,7 @@ class ServerMetrics:
     """
 
     def __init__(
-        self, engine: AsyncLLMEngine, abort_reason_of: Callable[[str], int | None]
+        self, engine: AsyncLLMEngine, abort_reason_of: Callable[[str], AbortReason | None]
     ) -> None:
         self.registry = CollectorRegistry()
         self._abort_reason_of = abort_reason_of
@@ -253,7 +254,7 @@ class ServerMetrics:
         if reason in ("stop", "length", "error"):
             return reason
         abort_reason = self._abort_reason_of(request_id)
-        return _ABORT_LABELS.get(abort_reason, "cancelled")
+        return "cancelled" if abort_reason is None else _ABORT_LABELS[abort_reason]
 
     # -- the HTTP endpoint -------------------------------------------------------------------
 

@@ -12,9 +12,8 @@ import grpc
 import asyncengine
 from asyncengine.errors import EngineDeadError
 from asyncengine.server import convert
-from asyncengine.server.convert import FinishReason
 from asyncengine.server.errors import InvalidFieldError, ServerDrainingError, abort_rpc
-from asyncengine.server.state import ServerState
+from asyncengine.server.state import AbortReason, ServerState
 from asyncengine.v1 import control_pb2 as pb
 from asyncengine.v1 import control_pb2_grpc
 
@@ -33,7 +32,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if len(request.request_ids) > MAX_ABORT_IDS:
             error = InvalidFieldError("request_ids", f"at most {MAX_ABORT_IDS} ids per call")
             await abort_rpc(context, error)
-        aborted = await self._state.abort(request.request_ids, FinishReason.CANCELLED)
+        aborted = await self._state.abort(request.request_ids, AbortReason.CANCELLED)
         return pb.AbortResponse(aborted_ids=aborted)
 
     async def GetModelInfo(

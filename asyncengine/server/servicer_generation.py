@@ -1,11 +1,11 @@
 """The Generation service: GenerateStream, Generate, Tokenize and Detokenize translated to the
-engine interface (`AsyncLLMEngine`). The engine checks every field and owns every request's
-state; this file maps names, writes messages and keeps time."""
+engine interface (`AsyncLLMEngine`) through the server core (`Call`: admission, time limits,
+release, the log line). The engine checks every field and owns every request's state; this
+file maps names and writes messages."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from typing import Any
 
@@ -15,18 +15,17 @@ import structlog
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.engine.timers import LazyTimer
 from asyncengine.errors import InvalidRequestError
-from asyncengine.logging import get_logger
-from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.server import convert
-from asyncengine.server.convert import FinishReason
+from asyncengine.server.call import LOGGED_ID_LEN, Call
 from asyncengine.server.errors import (
     ClientStalledError,
     InvalidFieldError,
     abort_rpc,
     set_final_status,
 )
-from asyncengine.server.state import Flight, ServerState
+from asyncengine.server.state import AbortReason, ServerState
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
 
@@ -34,36 +33,6 @@ from asyncengine.v1 import generation_pb2_grpc
 MAX_TOKENS_PER_DELTA = 64
 MAX_TOKENIZE_TEXTS = 256
 MAX_DETOKENIZE_SEQUENCES = 256
-_LOGGED_ID_LEN = 64  # an over-long id is refused; its log lines carry only its start
-
-logger = get_logger(__name__)
-
-
-class _Outcome:
-    """What the per-request log line reports."""
-
-    def __init__(self) -> None:
-        self.final: RequestOutput | None = None
-        self.finish_reason = "UNFINISHED"
-        self.num_deltas = 0
-        # each sample's tokens so far and its finish, from the DELTA outputs of a stream
-        self.samples: dict[int, CompletionOutput] = {}
-
-    @property
-    def num_completion_tokens(self) -> int:
-        if self.samples:
-            return sum(len(s.token_ids) for s in self.samples.values())
-        final = self.final  # a unary call's one (FINAL_ONLY) output
-        return sum(len(c.token_ids) for c in final.outputs) if final is not None else 0
-
-
-def _failure_label(exc: BaseException) -> str:
-    """How a request that did not finish ended, for its log line."""
-    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
-        return "CLIENT_CANCELLED"  # the client cancelled or left, or its deadline passed
-    if isinstance(exc, ClientStalledError):
-        return "CLIENT_STALLED"
-    return type(exc).__name__
 
 
 class _Writer:
@@ -74,6 +43,7 @@ class _Writer:
         self._context = context
         self._state = state
         self.sequence_number = 0
+        self.num_deltas = 0  # Delta messages written: output the client may have seen
         # the call's handler: cancelled when a write waits past the stall time
         self._task = asyncio.current_task()
         self._stalled = False
@@ -122,58 +92,49 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
         request_id = request.request_id or uuid.uuid4().hex
-        with structlog.contextvars.bound_contextvars(request_id=request_id[:_LOGGED_ID_LEN]):
-            outcome = _Outcome()
+        with structlog.contextvars.bound_contextvars(request_id=request_id[:LOGGED_ID_LEN]):
             try:
-                flight, stream = await self._open(request, context, request_id)
+                call, accepted = await self._open(request, context, request_id)
             except Exception as exc:
                 await abort_rpc(context, exc)
             writer = _Writer(context, self._state)
             try:
-                await self._stream(flight, stream, request.response, writer, outcome)
+                await self._stream(call, accepted, request.response, writer)
             except ClientStalledError as exc:
-                outcome.finish_reason = _failure_label(exc)
+                call.fail(exc)
                 set_final_status(context, exc)  # not abort: it would wait for the reader
             except BaseException as exc:
-                outcome.finish_reason = _failure_label(exc)
+                call.fail(exc)
                 if isinstance(exc, Exception):
-                    await abort_rpc(context, exc, has_partial_output=outcome.num_deltas > 0)
+                    await abort_rpc(context, exc, has_partial_output=writer.num_deltas > 0)
                 raise
             finally:
                 writer.close()
-                await self._close(flight, outcome)
+                await call.close()
 
     async def Generate(
         self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        batch_id = uuid.uuid4().hex
         try:
             if not request.prompts:
                 raise InvalidFieldError("prompts", "at least one prompt is required")
-            opened = await self._open_batch(request, context, batch_id)
+            call = await self._open_batch(request, context, uuid.uuid4().hex)
         except Exception as exc:
             await abort_rpc(context, exc)
-        outcomes = [_Outcome() for _ in opened]
         try:
-            await asyncio.gather(
-                *(self._collect(f, stream, o) for (f, stream), o in zip(opened, outcomes))
-            )
+            finals = await call.collect()
         except BaseException as exc:
-            for outcome in outcomes:
-                if outcome.finish_reason == "UNFINISHED":
-                    outcome.finish_reason = _failure_label(exc)
+            call.fail(exc)
             if isinstance(exc, Exception):
                 await abort_rpc(context, exc)
             raise
         finally:
-            for (flight, _), outcome in zip(opened, outcomes):
-                await self._close(flight, outcome)
+            await call.close()
         results = []
-        for (flight, _), outcome in zip(opened, outcomes):
-            assert outcome.final is not None
-            finished = self._finished(flight, outcome, outcome.final.outputs[0])
+        for index, final in enumerate(finals):
+            finished = self._finished(call.abort_reason(index), final.outputs[0])
             results.append(
-                convert.generate_result(outcome.final, finished, request.response, self._tokenizer)
+                convert.generate_result(final, finished, request.response, self._tokenizer)
             )
         return pb.GenerateBatchResponse(results=results)
 
@@ -255,144 +216,85 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def _open(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, request_id: str
-    ) -> tuple[Flight, RequestStream]:
-        """Admit one request and hand it to the engine; bad input raises InvalidFieldError."""
+    ) -> tuple[Call, pb.Accepted]:
+        """Admit one request and hand it to the engine; its call and what Accepted reports
+        but the prompt. Bad input raises InvalidFieldError."""
         prompt, prompt_field = convert.prompt_of(request)
         params = self._sampling_params(request, RequestOutputKind.DELTA)
-        tenant = self._state.tenants.identity(context.invocation_metadata() or ())
-        time_limit_ms = request.stopping.time_limit_ms
-        flight = Flight(
-            request_id,
-            time_limit_s=time_limit_ms / 1000 if time_limit_ms else None,
-            seed=params.seed or 0,
-            queue_position=self._engine.get_stats().num_waiting,
+        call = self._call(request, context, [request_id])
+        accepted = pb.Accepted(
+            request_id=request_id,
+            seed=params.seed or 0,  # so the client can replay a random request
+            queue_position=self._engine.get_stats().num_waiting,  # waiting when it came
         )
-        self._state.admit([flight])
-        stream = await self._enter(flight, request, tenant, prompt, prompt_field, params)
-        return flight, stream
+        await call.open(
+            [prompt],
+            params,
+            request.priority,
+            request.cache_salt or None,
+            invalid=lambda exc, index: _field_error(exc, [prompt_field], index),
+        )
+        return call, accepted
 
     async def _open_batch(
         self, request: pb.GenerateBatchRequest, context: grpc.aio.ServicerContext, batch_id: str
-    ) -> list[tuple[Flight, RequestStream]]:
+    ) -> Call:
         """Admit every prompt of a batch (all or none) and hand them to the engine."""
         params = self._sampling_params(request, RequestOutputKind.FINAL_ONLY)
         if params.n != 1:  # a batch result has room for one sample per prompt
             raise InvalidFieldError("sampling.n", "n > 1 is supported by GenerateStream only")
         self._state.check_batch_size(len(request.prompts))  # before anything is built per prompt
         prompts = [convert.prompt_of(p, f"prompts[{i}].") for i, p in enumerate(request.prompts)]
-        tenant = self._state.tenants.identity(context.invocation_metadata() or ())
-        flights = [Flight(f"{batch_id}-{i}") for i in range(len(prompts))]
-        self._state.admit(flights)
-        opened: list[tuple[Flight, RequestStream]] = []
-        try:
-            for index, (flight, (prompt, field)) in enumerate(zip(flights, prompts)):
-                try:
-                    stream = await self._enter(flight, request, tenant, prompt, field, params)
-                except BaseException:
-                    for later in flights[index + 1 :]:
-                        self._state.entered()
-                        await self._state.release(later)
-                    raise
-                opened.append((flight, stream))
-        except BaseException:
-            for flight, _ in opened:
-                await self._state.release(flight)
-            raise
-        return opened
-
-    async def _enter(
-        self,
-        flight: Flight,
-        request: Any,
-        tenant: str | None,
-        prompt: str | list[int],
-        prompt_field: str,
-        params: SamplingParams,
-    ) -> RequestStream:
-        """Hand one admitted flight to the engine; on failure its slot is given back."""
-        try:
-            return await self._engine.add_request(
-                flight.request_id,
-                prompt,
-                params,
-                request.priority,
-                cache_salt=request.cache_salt or None,
-                tenant=tenant,
-                strict_max_tokens=True,
-            )
-        except InvalidRequestError as exc:
-            await self._state.release(flight)
-            raise convert.field_error(exc, prompt_field) from None
-        except BaseException:
-            await self._state.release(flight)
-            raise
-        finally:
-            self._state.entered()
-
-    async def _close(self, flight: Flight, outcome: _Outcome) -> None:
-        await self._state.release(flight)
-        usage = convert.usage(outcome.final) if outcome.final else pb.Usage()
-        logger.info(
-            "request_finished",
-            request_id=flight.request_id[:_LOGGED_ID_LEN],
-            finish_reason=outcome.finish_reason,
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=outcome.num_completion_tokens,
-            time_to_first_token_s=round(usage.time_to_first_token_s, 4),
-            total_s=round(time.monotonic() - flight.admitted_at, 4),
-            preemptions=usage.preemptions,
+        call = self._call(request, context, [f"{batch_id}-{i}" for i in range(len(prompts))])
+        fields = [field for _, field in prompts]
+        await call.open(
+            [prompt for prompt, _ in prompts],
+            params,
+            request.priority,
+            request.cache_salt or None,
+            invalid=lambda exc, index: _field_error(exc, fields, index),
         )
+        return call
 
-    async def _next(self, flight: Flight, stream: RequestStream, timeout: float | None) -> Any:
-        """The next output; None after `timeout` of silence. Past the flight's time limit the
-        request is aborted (its final output, finish reason TIME_LIMIT, comes next)."""
-        deadline = None
-        if flight.time_limit_s is not None and flight.abort_reason is None:
-            deadline = flight.admitted_at + flight.time_limit_s
-            left = max(0.0, deadline - time.monotonic())
-            timeout = left if timeout is None else min(timeout, left)
-        out = await stream.get(timeout)
-        if out is None and deadline is not None and time.monotonic() >= deadline:
-            await self._state.abort([flight.request_id], FinishReason.TIME_LIMIT)
-            return await stream.get(0)
-        return out
+    def _call(self, request: Any, context: grpc.aio.ServicerContext, ids: list[str]) -> Call:
+        tenant = self._state.tenants.identity(context.invocation_metadata() or ())
+        time_limit_ms = request.stopping.time_limit_ms
+        time_limit_s = time_limit_ms / 1000 if time_limit_ms else None
+        return Call(self._state, "grpc", ids, tenant, time_limit_s)
 
     async def _stream(
-        self,
-        flight: Flight,
-        stream: RequestStream,
-        options: pb.ResponseOptions,
-        writer: _Writer,
-        outcome: _Outcome,
+        self, call: Call, accepted: pb.Accepted, options: pb.ResponseOptions, writer: _Writer
     ) -> None:
         """Accepted, then Delta and Heartbeat messages, then Finished per sample and Usage."""
-        await writer.write(self._accepted(flight, stream, options))
+        (stream,) = call.streams
+        await writer.write(self._accepted(accepted, stream, options))
         heartbeat_s = self._state.options.heartbeat_interval
         num_top = options.logprobs if options.HasField("logprobs") else None
-        samples = outcome.samples
+        # each sample's tokens so far and its finish
+        samples: dict[int, CompletionOutput] = {}
         out = None
         while out is None or not out.finished:
-            out = await self._next(flight, stream, heartbeat_s)
-            if out is None:
-                phase = convert.phase(self._engine.request_phase(flight.request_id))
+            ready = await call.next_outputs(heartbeat_s)
+            if not ready:
+                phase = convert.phase(self._engine.request_phase(call.request_ids[0]))
                 seq = writer.next_sequence_number()
                 await writer.write(
                     pb.GenerateResponse(heartbeat=pb.Heartbeat(phase=phase, sequence_number=seq))
                 )
                 continue
-            outcome.final = out
+            ((_, out),) = ready
             for delta in out.outputs:
                 sample = samples.setdefault(delta.index, CompletionOutput(delta.index, "", []))
                 for msg in self._deltas(delta, len(sample.token_ids), options, num_top, writer):
-                    outcome.num_deltas += 1
+                    writer.num_deltas += 1
                     await writer.write(pb.GenerateResponse(delta=msg))
                 sample.extend(delta)
         for index in sorted(samples):
-            finished = self._finished(flight, outcome, samples[index])
+            finished = self._finished(call.abort_reason(0), samples[index])
             finished.sequence_number = writer.next_sequence_number()
             await writer.write(pb.GenerateResponse(finished=finished))
         usage = convert.usage(out, writer.next_sequence_number())
-        usage.completion_tokens = outcome.num_completion_tokens
+        usage.completion_tokens = call.num_completion_tokens()
         await writer.write(pb.GenerateResponse(usage=usage))
 
     def _deltas(
@@ -425,17 +327,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             deltas.append(msg)
         return deltas
 
-    async def _collect(self, flight: Flight, stream: RequestStream, outcome: _Outcome) -> None:
-        out = await stream.get()  # FINAL_ONLY: the one output is the final one
-        assert out is not None and out.finished
-        outcome.final = out
-        self._finished(flight, outcome, out.outputs[0])  # names the finish for the log
-
-    def _finished(
-        self, flight: Flight, outcome: _Outcome, completion: CompletionOutput
-    ) -> pb.Finished:
-        reason, stop_string, stop_token_id = convert.finish_reason(completion, flight.abort_reason)
-        outcome.finish_reason = pb.FinishReason.Name(reason)
+    @staticmethod
+    def _finished(abort_reason: AbortReason | None, completion: CompletionOutput) -> pb.Finished:
+        reason, stop_string, stop_token_id = convert.finish_reason(completion, abort_reason)
         return pb.Finished(
             sample_index=completion.index,
             reason=reason,  # type: ignore[arg-type]
@@ -444,15 +338,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
     def _accepted(
-        self, flight: Flight, stream: RequestStream, options: pb.ResponseOptions
+        self, accepted: pb.Accepted, stream: RequestStream, options: pb.ResponseOptions
     ) -> pb.GenerateResponse:
         token_ids = stream.prompt_token_ids
-        accepted = pb.Accepted(
-            request_id=flight.request_id,
-            prompt_tokens=len(token_ids),
-            seed=flight.seed,
-            queue_position=flight.queue_position,
-        )
+        accepted.prompt_tokens = len(token_ids)
         if options.echo_prompt:
             prompt = stream.prompt
             if prompt is None:
@@ -460,6 +349,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             accepted.prompt_text = prompt
             accepted.prompt_token_ids.extend(token_ids)
         return pb.GenerateResponse(accepted=accepted)
+
+
+def _field_error(
+    exc: InvalidRequestError, prompt_fields: list[str], index: int | None
+) -> Exception:
+    """The engine's error named by the request's field; an admission error (index None:
+    the call's size or id) is named as it is."""
+    return exc if index is None else convert.field_error(exc, prompt_fields[index])
 
 
 def _tokenize_result(

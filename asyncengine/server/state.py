@@ -1,67 +1,69 @@
-"""What the servicers share: the engine, the requests in flight, admission, health and drain."""
+"""The server core's shared half: the engine, the requests in flight, admission, abort and drain.
+
+Both front ends (gRPC and HTTP) use it through `Call` (call.py) and know nothing of each other;
+nothing here imports a front end. Why a request was aborted is an `AbortReason`, the server's
+own enum: gRPC maps it to proto values (convert.py), HTTP and metrics to their words.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from grpc_health.v1 import health, health_pb2
-
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
-from asyncengine.errors import DuplicateRequestError, EngineOverloadedError
+from asyncengine.errors import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import Tenants
-from asyncengine.server.convert import FinishReason
-from asyncengine.server.errors import InvalidFieldError, ServerDrainingError
+from asyncengine.server.errors import ServerDrainingError
 from asyncengine.server.options import ServeOptions
-from asyncengine.v1 import control_pb2, generation_pb2
 
 if TYPE_CHECKING:
-    from asyncengine.server.http import HttpServer
     from asyncengine.server.metrics import ServerMetrics
 
 logger = get_logger(__name__)
 
-SERVICE_NAMES = (
-    generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-    control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
-)
-# the health "service" a liveness probe asks for: SERVING from start until shutdown, drain
-# included (readiness uses "", which drain turns NOT_SERVING)
+# the health name a liveness probe asks for: SERVING from start until shutdown, drain included
+# (readiness, which drain turns off, is "" and the services' names: health.py)
 LIVENESS_SERVICE = "liveness"
 # how long handlers get to send their final messages once their requests are aborted
 _FLUSH_S = 5.0
 
 
+class AbortReason(enum.Enum):
+    """Why the server ended a request the engine was still running; set once, by whoever
+    aborts it, before the engine sees the abort. A request aborted with none set was left by
+    its caller (cancelled, disconnected, past its deadline)."""
+
+    CANCELLED = enum.auto()  # Control.Abort named it
+    TIME_LIMIT = enum.auto()  # its own time limit passed
+    ABORTED_BY_SERVER = enum.auto()  # drain, shutdown, a second signal
+
+
 @dataclass
 class Flight:
-    """One open call's request, from admission until its handler has sent its last message."""
+    """One request of an open call, from admission until its handler has sent its last message."""
 
     request_id: str
-    time_limit_s: float | None = None
-    seed: int = 0  # what Accepted reports, so the client can replay a random request
-    queue_position: int = 0  # requests waiting when it was admitted
-    # set by whoever aborts it (Control.Abort, time limit, drain) before the engine sees the abort
-    abort_reason: int | None = None
+    abort_reason: AbortReason | None = None
     admitted_at: float = field(default_factory=time.monotonic)
 
 
-class ServerState:
-    """The engine plus the server's own bookkeeping; lives on the event loop's thread."""
+# told whether the server is ready (admitting) whenever that changes: gRPC's health
+ReadinessListener = Callable[[bool], Awaitable[None]]
 
-    def __init__(
-        self,
-        engine: AsyncLLMEngine,
-        options: ServeOptions,
-        health_servicer: health.aio.HealthServicer,
-    ) -> None:
+
+class ServerState:
+    """The engine plus the server's own bookkeeping, shared by every call of every protocol;
+    lives on the event loop's thread."""
+
+    def __init__(self, engine: AsyncLLMEngine, options: ServeOptions) -> None:
         self.engine = engine
         self.options = options
-        self.health = health_servicer
         self.started_at = time.monotonic()
         self.flights: dict[str, Flight] = {}
         self.is_draining = False
@@ -69,7 +71,7 @@ class ServerState:
         self._resumed = asyncio.Event()  # a new one per drain; Resume sets it
         self.tenants = Tenants.from_options(options)
         self.metrics: ServerMetrics | None = None
-        self.http: HttpServer | None = None  # the OpenAI-compatible API, with --http-port
+        self._readiness_listeners: list[ReadinessListener] = []
         self._num_entering = 0  # admitted, not yet the engine's
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
@@ -116,7 +118,7 @@ class ServerState:
     def check_batch_size(self, num_requests: int) -> None:
         """A batch larger than can ever be admitted is the caller's mistake, not a retry."""
         if num_requests > self.max_in_flight:
-            raise InvalidFieldError(
+            raise InvalidRequestError(
                 "prompts",
                 f"{num_requests} prompts can never be admitted at once: the server admits "
                 f"{self.max_in_flight} requests (max_num_seqs + max_queued_requests)",
@@ -145,12 +147,12 @@ class ServerState:
             if not self.flights:
                 self._idle.set()
 
-    def abort_reason_of(self, request_id: str) -> int | None:
-        """Why the server aborted a request in flight (a FinishReason), or None."""
+    def abort_reason_of(self, request_id: str) -> AbortReason | None:
+        """Why the server aborted a request in flight, or None."""
         flight = self.flights.get(request_id)
         return None if flight is None else flight.abort_reason
 
-    async def abort(self, request_ids: Iterable[str], reason: int) -> list[str]:
+    async def abort(self, request_ids: Iterable[str], reason: AbortReason) -> list[str]:
         """Abort the given requests still in the engine; returns the ids actually aborted."""
         ids = []
         for request_id in request_ids:
@@ -162,28 +164,28 @@ class ServerState:
             ids.append(request_id)
         return await self.engine.abort(ids)
 
-    async def set_serving(self, is_serving: bool) -> None:
-        """Readiness ("") and each service's health; the liveness entry is not touched."""
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if is_serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for name in ("", *SERVICE_NAMES):
-            await self.health.set(name, status)
+    # -- readiness and drain -----------------------------------------------------------------
+
+    def on_readiness(self, listener: ReadinessListener) -> None:
+        """Call `listener(is_ready)` whenever a drain or a Resume changes readiness."""
+        self._readiness_listeners.append(listener)
+
+    async def _announce(self, is_ready: bool) -> None:
+        for listener in self._readiness_listeners:
+            await listener(is_ready)
 
     async def drain(self, grace_s: float) -> int:
         """Stop admission, let requests in flight finish for `grace_s`, then abort the rest.
 
-        Returns how many had to be aborted; they end with Finished(ABORTED_BY_SERVER). A Resume
-        within the grace period ends the wait and aborts nothing (0).
+        Returns how many had to be aborted; they end as ABORTED_BY_SERVER. A Resume within the
+        grace period ends the wait and aborts nothing (0).
         """
         if not self.is_draining:
             logger.info("drain_started", in_flight=len(self.flights), grace_s=grace_s)
             self.is_draining = True
             self._resumed = asyncio.Event()
         resumed = self._resumed
-        await self.set_serving(False)
+        await self._announce(False)
         waits = [asyncio.ensure_future(event.wait()) for event in (self._idle, resumed)]
         try:
             await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
@@ -192,14 +194,18 @@ class ServerState:
                 wait.cancel()
         if resumed.is_set():
             return 0
-        aborted = await self.abort(list(self.flights), FinishReason.ABORTED_BY_SERVER)
+        aborted = await self.abort_all()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._idle.wait(), _FLUSH_S)
         logger.info("drain_done", aborted=len(aborted), left=len(self.flights))
         return len(aborted)
 
+    async def abort_all(self) -> list[str]:
+        """Abort every request in flight, as the server's decision (drain, a second signal)."""
+        return await self.abort(list(self.flights), AbortReason.ABORTED_BY_SERVER)
+
     async def resume(self) -> bool:
-        """Undo a Drain: admission reopens and health is SERVING again; whether it was draining.
+        """Undo a Drain: admission reopens and the server is ready again; whether it was draining.
 
         A drain that shutdown started is final: raises ServerDrainingError.
         """
@@ -211,7 +217,7 @@ class ServerState:
         logger.info("drain_resumed", in_flight=len(self.flights))
         self.is_draining = False
         self._resumed.set()
-        await self.set_serving(True)
-        if self.is_draining:  # a drain began while health was being set: it wins
-            await self.set_serving(False)
+        await self._announce(True)
+        if self.is_draining:  # a drain began while readiness was being announced: it wins
+            await self._announce(False)
         return True

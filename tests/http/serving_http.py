@@ -35,13 +35,14 @@ class ServerThread:
         self._make_engine = testing.fake_engine if fake_runner else AsyncLLMEngine.from_engine_args
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.front_ends: app.FrontEnds
         self.state: ServerState
         self.grpc_port = 0
 
     def start(self) -> None:
         engine = self._make_engine(self.engine_args)
         self._thread.start()
-        self._server, self.state, self.grpc_port = self.call(app.start(engine, self.options))
+        self.front_ends, self.state, self.grpc_port = self.call(app.start(engine, self.options))
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
         """Run `coro` on the server's loop; its result."""
@@ -56,7 +57,7 @@ class ServerThread:
         return self.call(wrapper())
 
     def stop(self) -> int:
-        code = self.call(app.stop(self._server, self.state))
+        code = self.call(app.stop(self.front_ends, self.state))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
@@ -69,8 +70,9 @@ class ServerThread:
 
     @property
     def http_port(self) -> int:
-        assert self.state.http is not None and self.state.http.port is not None
-        return self.state.http.port
+        port = self.front_ends.http_port
+        assert port is not None
+        return port
 
     @property
     def base_url(self) -> str:

@@ -157,3 +157,47 @@ def test_preemption_and_swap_counters_match_get_server_info(serving: Any) -> Non
     assert value(final, "asyncengine_block_usage_ratio", pool="cpu") == 0
     assert value(final, "asyncengine_kv_blocks", pool="cpu") == load.cpu_blocks_total == 16
     assert sum(usage_of(e).preemptions for e in ends) == preempted + load.preemptions_recompute
+
+
+def test_requests_the_server_ended_are_counted_and_finished_by_why(serving: Any) -> None:
+    """Control.Abort: cancelled; a time limit, of a stream or of a batch: deadline; a drain:
+    aborted. Each request's Finished (or batch result) names the same reason."""
+    flags = ("--metrics-port", "0", "--max-num-seqs", "8")
+    time_limited = pb.StoppingOptions(ignore_eos=True, time_limit_ms=100)
+
+    async def main() -> tuple[list[Any], Any, int, Samples]:
+        async with serving(*flags) as served, grpc.aio.insecure_channel(served.target) as chan:
+            generation, control = stubs(chan)
+            # unlimited but for the server: each would run to the end of the context
+            aborted = generation.GenerateStream(greedy_request(prompt(0), None, request_id="a"))
+            await read_until(aborted, "delta")
+            await control.Abort(cpb.AbortRequest(request_ids=["a"]))
+            ends = [await read_rest(aborted)]
+            timed = greedy_request(prompt(1), None)
+            timed.stopping.CopyFrom(time_limited)
+            ends.append(await read_rest(generation.GenerateStream(timed)))
+            batch = await generation.Generate(
+                pb.GenerateBatchRequest(
+                    prompts=[pb.Prompt(token_ids=pb.TokenIds(ids=prompt(i))) for i in (2, 3)],
+                    sampling=pb.SamplingOptions(temperature=0.0),
+                    stopping=time_limited,
+                )
+            )
+            drained = generation.GenerateStream(greedy_request(prompt(4), None))
+            await read_until(drained, "delta")
+            num_drained = (await control.Drain(cpb.DrainRequest(grace_period_ms=50))).aborted
+            ends.append(await read_rest(drained))
+            return ends, batch, num_drained, await scrape(served.metrics_port)
+
+    (aborted, timed, drained), batch, num_drained, final = asyncio.run(main())
+    assert aborted[-2].finished.reason == pb.CANCELLED
+    assert timed[-2].finished.reason == pb.TIME_LIMIT
+    assert [r.finish_reason for r in batch.results] == [pb.TIME_LIMIT] * 2
+    assert all(0 < r.usage.completion_tokens < 1000 for r in batch.results)
+    assert drained[-2].finished.reason == pb.ABORTED_BY_SERVER and num_drained == 1
+    finished = {
+        reason: value(final, "asyncengine_requests_finished_total", reason=reason)
+        for reason in ("stop", "length", "cancelled", "deadline", "aborted", "error")
+    }
+    assert finished == {"stop": 0, "length": 0, "cancelled": 1, "deadline": 3, "aborted": 1,
+                        "error": 0}  # fmt: skip

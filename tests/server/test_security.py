@@ -26,8 +26,9 @@ from asyncengine.server import app
 from asyncengine.server.auth import Tenants
 from asyncengine.server.cli import build_parser, engine_args_from
 from asyncengine.server.errors import UnauthenticatedError
+from asyncengine.server.health import SERVICE_NAMES
 from asyncengine.server.options import ServeOptions, check_options, serve_options_from
-from asyncengine.server.state import SERVICE_NAMES, ServerState
+from asyncengine.server.state import ServerState
 from asyncengine.v1 import control_pb2 as cpb
 from asyncengine.v1 import generation_pb2 as pb
 
@@ -74,7 +75,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-async def start_server(model: Path, *flags: str) -> tuple[grpc.aio.Server, ServerState, str]:
+async def start_server(model: Path, *flags: str) -> tuple[app.FrontEnds, ServerState, str]:
     """A started server on the tiny model from `asyncengine serve` flags, and its target."""
     argv = ["serve", "--model", str(model), "--host", "127.0.0.1"]
     argv += ["--port", "0", "--device", "cpu", "--num-gpu-blocks-override", "512"]

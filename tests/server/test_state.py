@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from grpc_health.v1 import health
-
 from asyncengine.server.options import ServeOptions
 from asyncengine.server.state import Flight, ServerState
 
@@ -32,7 +30,7 @@ class _SlowAbortEngine:
 def test_a_handler_cancelled_while_its_abort_is_answered_still_gives_its_slot_back() -> None:
     async def main() -> None:
         engine = _SlowAbortEngine()
-        state = ServerState(engine, ServeOptions(), health.aio.HealthServicer())  # type: ignore[arg-type]
+        state = ServerState(engine, ServeOptions())  # type: ignore[arg-type]
         flight = Flight("r1")
         state.admit([flight])
         state.entered()

@@ -15,8 +15,16 @@ from starlette.responses import Response
 from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import RequestOutputKind
+from asyncengine.server.call import Call
 from asyncengine.server.http import protocol, sse
-from asyncengine.server.http.call import Call, HttpContext, request_id_of
+from asyncengine.server.http.call import (
+    HttpContext,
+    call_finals,
+    call_usage,
+    event_stream,
+    open_call,
+    request_id_of,
+)
 from asyncengine.server.http.errors import InvalidParamError, UnsupportedParamError
 from asyncengine.server.http.params import (
     CHAT_PARAMS,
@@ -103,20 +111,25 @@ async def create_chat_completion(
         raise param_error(exc, table) from None
     prompt = await render_chat(ctx, body.messages, body.add_generation_prompt)
     request_id, response_id = request_id_of(request, "chatcmpl")
-    call = Call(ctx, request_id, tenant, table)
-    await call.open([prompt], params, body.priority, body.cache_salt)
+    call = await open_call(
+        ctx, request_id, tenant, table, [prompt], params, body.priority, body.cache_salt
+    )
     created = int(time.time())
     headers = {"x-request-id": request_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _Chunks(ctx, response_id, created, include_usage)
-        return call.event_stream(_events(ctx, call, chunks, params.n, num_top), headers)
-    finals = await call.finals(request)
+        return event_stream(ctx, call, _events(ctx, call, chunks, params.n, num_top), headers)
+    finals = await call_finals(call, request)
     if finals is None:
         return Response(status_code=499)  # nobody reads it; the request is aborted
     choices = [await _choice(ctx, completion, num_top) for completion in finals[0].outputs]
     response = protocol.ChatCompletion(
-        id=response_id, created=created, model=ctx.model_name, choices=choices, usage=call.usage()
+        id=response_id,
+        created=created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=call_usage(call),
     )
     return Response(response.model_dump_json(), media_type="application/json", headers=headers)
 
@@ -176,9 +189,9 @@ async def _events(
                     if choice is not None:
                         yield chunks.frame([choice])
         if chunks.include_usage:
-            yield chunks.frame([], call.usage())
+            yield chunks.frame([], call_usage(call))
     except Exception as exc:
-        call.ended_by = type(exc).__name__
+        call.fail(exc)
         yield sse.error_event(exc)
     yield sse.DONE
 

@@ -13,8 +13,17 @@ from starlette.responses import Response
 from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import CompletionOutput, Logprobs, RequestOutput
 from asyncengine.sampling_params import RequestOutputKind
+from asyncengine.server.call import Call
 from asyncengine.server.http import protocol, sse
-from asyncengine.server.http.call import Call, HttpContext, check_prompt_list, request_id_of
+from asyncengine.server.http.call import (
+    HttpContext,
+    call_finals,
+    call_usage,
+    check_prompt_list,
+    event_stream,
+    open_call,
+    request_id_of,
+)
 from asyncengine.server.http.errors import UnsupportedParamError
 from asyncengine.server.http.params import (
     COMPLETION_PARAMS,
@@ -68,14 +77,15 @@ async def create_completion(
     except InvalidRequestError as exc:
         raise param_error(exc, COMPLETION_PARAMS) from None
     request_id, response_id = request_id_of(request, "cmpl")
-    call = Call(ctx, request_id, tenant, COMPLETION_PARAMS)
     plan = _Plan(response_id, int(time.time()), params.n, body.logprobs, echo, is_echo_only)
-    await call.open(prompts, params, body.priority, body.cache_salt)
+    call = await open_call(
+        ctx, request_id, tenant, COMPLETION_PARAMS, prompts, params, body.priority, body.cache_salt
+    )
     headers = {"x-request-id": request_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return call.event_stream(_events(ctx, call, plan, include_usage), headers)
-    finals = await call.finals(request)
+        return event_stream(ctx, call, _events(ctx, call, plan, include_usage), headers)
+    finals = await call_finals(call, request)
     if finals is None:
         return Response(status_code=499)  # nobody reads it; the requests are aborted
     choices = []
@@ -89,7 +99,7 @@ async def create_completion(
         created=plan.created,
         model=ctx.model_name,
         choices=choices,
-        usage=call.usage(0 if is_echo_only else None),
+        usage=call_usage(call, 0 if is_echo_only else None),
     )
     return Response(response.model_dump_json(), media_type="application/json", headers=headers)
 
@@ -165,11 +175,11 @@ async def _events(
                 created=plan.created,
                 model=ctx.model_name,
                 choices=[],
-                usage=call.usage(0 if plan.is_echo_only else None),
+                usage=call_usage(call, 0 if plan.is_echo_only else None),
             )
             yield sse.event(chunk, include_usage)
     except Exception as exc:
-        call.ended_by = type(exc).__name__
+        call.fail(exc)
         yield sse.error_event(exc)
     yield sse.DONE
 

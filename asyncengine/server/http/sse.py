@@ -46,7 +46,7 @@ class EventStream(StreamingResponse):
         events: AsyncGenerator[str, None],
         on_close: Callable[[], Awaitable[None]],
         stall_timeout_s: float,
-        on_stall: Callable[[], None],
+        on_stall: Callable[[ClientStalledError], None],
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(
@@ -72,8 +72,8 @@ class EventStream(StreamingResponse):
             await super().stream_response(send_in_time)
         except ClientStalledError as exc:
             # the connection is closed when this returns with the response unfinished
-            self._on_stall()
-            logger.warning("client_stalled", front_end="http", error=str(exc))
+            self._on_stall(exc)
+            logger.warning("client_stalled", protocol="http", error=str(exc))
         finally:
             # shielded: a disconnect cancels this task, and the release must still run
             with anyio.CancelScope(shield=True):
