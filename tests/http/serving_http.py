@@ -1,5 +1,7 @@
-"""In-process servers with the HTTP API on, run on an event loop of their own in a thread, so
-the official `openai` clients (sync and async) call them from the test as from anywhere else.
+"""Servers with the HTTP API on, run on an event loop of their own in a thread, so the official
+`openai` clients (sync and async) call them from the test as from anywhere else. The engine is
+built as `serve` builds it: stepping in a process of its own (`--engine-process`) or here
+(`--no-engine-process`); the `core` fixture (conftest.py) picks one.
 
 (This folder has no __init__.py: a package named `http` would hide the standard library's.)"""
 
@@ -7,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,24 +19,29 @@ from typing import Any, TypeVar
 import openai
 
 from asyncengine import testing
-from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.server import app
 from asyncengine.server.cli import build_parser, engine_args_from
 from asyncengine.server.options import check_options, serve_options_from
 from asyncengine.server.state import ServerState
 
 T = TypeVar("T")
+# the two core clients a server's engine runs over: `serve`'s default, the engine stepping in
+# a process of its own, and the engine stepping on the server's event loop
+CORES = {"engine-process": ("--engine-process",), "in-process": ("--no-engine-process",)}
 
 
 class ServerThread:
     """`asyncengine serve` (gRPC and HTTP) built from flags, on a loop in a daemon thread."""
 
-    def __init__(self, flags: list[str], fake_runner: bool) -> None:
+    def __init__(self, flags: list[str], fake_runner: bool, step_delay_s: float = 0.0) -> None:
         ns = build_parser().parse_args(["serve", *flags])
         self.options = serve_options_from(ns)
         check_options(self.options)
         self.engine_args = engine_args_from(ns)
-        self._make_engine = testing.fake_engine if fake_runner else AsyncLLMEngine.from_engine_args
+        # module-level and picklable: an engine process builds it too
+        self._factory = functools.partial(
+            testing.hooked_llm_engine, fake_runner=fake_runner, step_delay_s=step_delay_s
+        )
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.front_ends: app.FrontEnds
@@ -40,9 +49,14 @@ class ServerThread:
         self.grpc_port = 0
 
     def start(self) -> None:
-        engine = self._make_engine(self.engine_args)
         self._thread.start()
-        self.front_ends, self.state, self.grpc_port = self.call(app.start(engine, self.options))
+
+        async def start() -> tuple[app.FrontEnds, ServerState, int]:
+            # built on the loop that serves it, as `serve` builds it
+            engine = app.make_served_engine(self.engine_args, self.options, self._factory)
+            return await app.start(engine, self.options)
+
+        self.front_ends, self.state, self.grpc_port = self.call(start(), timeout=120)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
         """Run `coro` on the server's loop; its result."""
@@ -101,25 +115,38 @@ class ServerThread:
 
         self.call(idle())
 
-    def assert_nothing_left(self) -> None:
-        """Every request gone and every KV block free (cached ones count as free)."""
-        self.wait_idle()
-        stats = self.engine_stats()
-        assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
-        assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
-        assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
+    def assert_nothing_left(self, timeout: float = 10.0) -> None:
+        """Every request gone and every KV block free (cached ones count as free).
+
+        An engine in its own process reports its stats after its steps: they are read until
+        they say so, or `timeout` passes."""
+        self.wait_idle(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.engine_stats()
+            counts = (stats.num_running, stats.num_waiting, stats.num_swapped)
+            free = (stats.num_free_gpu_blocks, stats.num_free_cpu_blocks)
+            if counts == (0, 0, 0) and free == (stats.num_gpu_blocks, stats.num_cpu_blocks):
+                return
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
 
 
 ServeFactory = Callable[..., contextlib.AbstractContextManager[ServerThread]]
 
 
 @contextlib.contextmanager
-def http_server(model: Path, *flags: str, fake_runner: bool = False) -> Iterator[ServerThread]:
-    """A started server with --http-port 0 on `model`; stopped (exit 0) on exit."""
+def http_server(
+    model: Path, *flags: str, fake_runner: bool = False, step_delay_s: float = 0.0
+) -> Iterator[ServerThread]:
+    """A started server with --http-port 0 on `model`; stopped (exit 0) on exit.
+
+    `fake_runner` scripts tokens (no forward); `step_delay_s` makes every step that much
+    slower, so requests are still running when a test acts on them."""
     argv = ["--model", str(model), "--host", "127.0.0.1", "--port", "0", "--http-port", "0"]
     argv += ["--device", "cpu", "--dtype", "float32", "--num-cpu-blocks-override", "16"]
-    argv += ["--drain-grace-period", "5", *flags]
-    server = ServerThread(argv, fake_runner)
+    argv += ["--drain-grace-period", "5", "--torch-threads", "1", *flags]
+    server = ServerThread(argv, fake_runner, step_delay_s)
     server.start()
     try:
         yield server

@@ -5,12 +5,11 @@ a clear 400 for a model with no template."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-from serving_http import ServerThread, http_server
+from serving_http import CORES, ServerThread, http_server
 from transformers import AutoTokenizer
 
 from asyncengine import LLM, SamplingParams, testing
@@ -21,13 +20,6 @@ MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "양자역학 설명해줄래? 🐱"},
 ]
-
-
-@pytest.fixture(scope="module")
-def server(chat_model: Path) -> Iterator[ServerThread]:
-    with http_server(chat_model) as served:
-        yield served
-        served.assert_nothing_left()
 
 
 def test_chat_renders_the_template_and_equals_llm_chat(
@@ -133,7 +125,9 @@ def test_chat_logprobs_give_each_token_and_its_top(server: ServerThread) -> None
 
 def test_a_model_without_a_template_says_so(model_dir, tmp_path: Path) -> None:
     plain = model_dir("llama")
-    with http_server(plain, fake_runner=True) as served:
+    # in-process only: the template renders in the front end, whichever core runs the engine
+    inline = CORES["in-process"]
+    with http_server(plain, *inline, fake_runner=True) as served:
         with pytest.raises(openai.BadRequestError) as raised:
             served.client().chat.completions.create(model=served.model, messages=MESSAGES)
         assert raised.value.status_code == 400
@@ -142,7 +136,7 @@ def test_a_model_without_a_template_says_so(model_dir, tmp_path: Path) -> None:
         assert "--chat-template" in raised.value.body["message"]
     template = tmp_path / "chat.jinja"
     template.write_text(testing.CHAT_TEMPLATE)
-    with http_server(plain, "--chat-template", str(template), fake_runner=True) as served:
+    with http_server(plain, "--chat-template", str(template), *inline, fake_runner=True) as served:
         reply = served.client().chat.completions.create(
             model=served.model, messages=MESSAGES, max_tokens=4
         )

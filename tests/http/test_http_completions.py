@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from serving_http import ServerThread, http_server
+from serving_http import ServerThread
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncengine import LLM, SamplingParams
@@ -20,13 +19,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["The capital of France is", "양자역학 설명해줄래?", "I love pizza 🍕 and", "Hi"]
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def server(chat_model: Path) -> Iterator[ServerThread]:
-    with http_server(chat_model) as served:
-        yield served
-        served.assert_nothing_left()
 
 
 @pytest.fixture(scope="module")

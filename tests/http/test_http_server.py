@@ -24,6 +24,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from serving_http import ServerThread, http_server
+from structlog.testing import capture_logs
 
 from asyncengine.server.cli import build_parser
 from asyncengine.server.options import check_options, serve_options_from
@@ -62,10 +63,41 @@ def metric(text: str, name: str, **labels: str) -> float:
     raise KeyError(name)
 
 
+def finished(served: ServerThread) -> dict[str, float]:
+    """asyncengine_requests_finished_total by reason, scraped from --metrics-port."""
+    assert served.state.metrics is not None
+    _, _, text = get(f"http://127.0.0.1:{served.state.metrics.port}/metrics")
+    reasons = ("stop", "length", "cancelled", "deadline", "aborted", "error")
+    name = "asyncengine_requests_finished_total"
+    return {reason: metric(text.decode(), name, reason=reason) for reason in reasons}
+
+
+def num_stalled(served: ServerThread) -> float:
+    assert served.state.metrics is not None
+    _, _, text = get(f"http://127.0.0.1:{served.state.metrics.port}/metrics")
+    return metric(text.decode(), "asyncengine_stalled_streams_total")
+
+
 @pytest.fixture(scope="module")
-def fake(model_dir) -> Iterator[ServerThread]:
-    """Scripted tokens (no forward): a server whose cost is the server's own."""
-    with http_server(model_dir("llama"), "--metrics-port", "0", fake_runner=True) as served:
+def fake(model_dir, core: tuple[str, ...]) -> Iterator[ServerThread]:
+    """Scripted tokens (no forward): a server whose cost is the server's own. Steps take 5 ms
+    more, so long requests are still running when a test acts on them; a stream nobody reads
+    for 0.5 s is cut off."""
+    flags = ("--metrics-port", "0", "--max-num-seqs", "256", "--stall-timeout", "0.5", *core)
+    with http_server(model_dir("llama"), *flags, fake_runner=True, step_delay_s=0.005) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def guarded(model_dir, core: tuple[str, ...]) -> Iterator[ServerThread]:
+    """An admission limit of 2 (max_num_seqs 1 plus 1 queued), bearer tokens (`alpha`, and
+    `beta` of the group `team`) and a body limit of 1000 bytes; scripted tokens, slowed."""
+    flags = (
+        "--max-num-seqs", "1", "--max-queued-requests", "1", "--retry-after", "2.5",
+        "--max-message-size", "1000", "--auth-token", "alpha", "--auth-token", "team:beta",
+        *core,
+    )  # fmt: skip
+    with http_server(model_dir("llama"), *flags, fake_runner=True, step_delay_s=0.005) as served:
         yield served
 
 
@@ -111,12 +143,12 @@ def test_errors_are_openai_shaped_and_name_the_param(fake: ServerThread) -> None
     fake.assert_nothing_left()
 
 
-def test_a_body_over_the_message_size_is_refused_unread(model_dir) -> None:
-    with http_server(model_dir("llama"), "--max-message-size", "1000", fake_runner=True) as s:
-        status, body = post(s.base_url + "/v1/completions", {"prompt": "x" * 2000})
-        assert status == 413 and body["error"]["code"] == "request_too_large"
-        status, _ = post(s.base_url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
-        assert status == 200
+def test_a_body_over_the_message_size_is_refused_unread(guarded: ServerThread) -> None:
+    url = guarded.base_url + "/v1/completions"
+    status, body = post(url, {"prompt": "x" * 2000}, Authorization="Bearer alpha")
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    status, _ = post(url, {"prompt": "x", "max_tokens": 2}, Authorization="Bearer alpha")
+    assert status == 200
 
 
 def test_health_version_tokenize_detokenize_metrics(fake: ServerThread) -> None:
@@ -173,96 +205,106 @@ def test_request_ids_come_from_x_request_id(fake: ServerThread) -> None:
     fake.assert_nothing_left()
 
 
-def test_bearer_tokens_are_the_grpc_ones(model_dir) -> None:
-    flags = ("--auth-token", "alpha", "--auth-token", "team:beta")
-    with http_server(model_dir("llama"), *flags, fake_runner=True) as served:
-        for key in ("wrong", "none"):
-            with pytest.raises(openai.AuthenticationError) as raised:
-                served.client(api_key=key).completions.create(model=served.model, prompt="Hi")
-            assert raised.value.status_code == 401
-            assert raised.value.body["type"] == "authentication_error"
-        with pytest.raises(openai.AuthenticationError):
-            served.client(api_key="wrong").models.list()
-        for key in ("alpha", "beta"):
-            reply = served.client(api_key=key).completions.create(
-                model=served.model, prompt="Hi", max_tokens=2
-            )
-            assert reply.usage.completion_tokens == 2
-        assert get(served.base_url + "/health")[0] == 200  # probes carry no token
-        # and gRPC takes the same tokens
-        with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+def test_one_log_line_per_request_of_one_shape_for_both_protocols(fake: ServerThread) -> None:
+    """The server core logs every request, whichever protocol brought it: the same fields, in
+    the same words (the engine's finish reasons), with the protocol as a field."""
+    with capture_logs() as logs:
+        fake.client().completions.create(
+            model=fake.model, prompt="Hi", max_tokens=3, extra_headers={"x-request-id": "line-h"}
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{fake.grpc_port}") as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            request = pb.TokenizeRequest(texts=["Hi"])
-            stub.Tokenize(request, metadata=[("authorization", "Bearer beta")], timeout=10)
-            with pytest.raises(grpc.RpcError) as rpc:
-                stub.Tokenize(request, metadata=[("authorization", "Bearer no")], timeout=10)
-            assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-
-def test_admission_is_one_limit_for_grpc_and_http(model_dir) -> None:
-    flags = ("--max-num-seqs", "1", "--max-queued-requests", "1", "--retry-after", "2.5")
-    with http_server(model_dir("llama"), *flags, fake_runner=True) as served:
-        # the engine is slowed so the two admitted requests are still running at the 429
-        served.run(lambda: _slow_steps(served, 0.01))
-
-        async def main() -> tuple[int, dict[str, str], dict[str, Any]]:
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{served.grpc_port}")
-            grpc_call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(
-                pb.GenerateRequest(text="Hi", stopping=pb.StoppingOptions(max_new_tokens=1000))
+            request = pb.GenerateRequest(
+                request_id="line-g", text="Hi", stopping=pb.StoppingOptions(max_new_tokens=3)
             )
-            await grpc_call.read()  # Accepted: it holds one slot
-            async with served.async_client() as client:
-                stream = await client.completions.create(
-                    model=served.model, prompt="Hi", max_tokens=1000, stream=True
-                )
-                # its headers came back: it is admitted (queued behind gRPC's), the other slot
-                try:
-                    await client.completions.create(model=served.model, prompt="Hi")
-                except openai.RateLimitError as exc:
-                    return exc.status_code, dict(exc.response.headers), exc.body
-                finally:
-                    await stream.close()
-                    grpc_call.cancel()
-                    await channel.close()
-            raise AssertionError("admitted past the limit")
-
-        status, headers, body = asyncio.run(main())
-        assert status == 429 and headers["retry-after"] == "3"  # whole seconds, rounded up
-        assert body["type"] == "rate_limit_error" and body["code"] == "overloaded"
-        served.assert_nothing_left()
+            list(stub.GenerateStream(request, timeout=30))
+        fake.wait_idle()
+    lines = {line["request_id"]: line for line in logs if line["event"] == "request_finished"}
+    http, grpc_line = lines["line-h"], lines["line-g"]
+    assert set(http) == set(grpc_line)
+    assert {"time_to_first_token_s", "total_s", "preemptions", "prompt_tokens"} <= set(http)
+    assert (http["protocol"], grpc_line["protocol"]) == ("http", "grpc")
+    for line in (http, grpc_line):
+        assert (line["finish_reason"], line["completion_tokens"]) == ("LENGTH", 3), line
+        assert line["time_to_first_token_s"] > 0
 
 
-def _slow_steps(served: ServerThread, seconds: float) -> None:
-    engine = served.state.engine.engine
-    execute = engine.execute
+def test_bearer_tokens_are_the_grpc_ones(guarded: ServerThread) -> None:
+    served = guarded
+    for key in ("wrong", "none"):
+        with pytest.raises(openai.AuthenticationError) as raised:
+            served.client(api_key=key).completions.create(model=served.model, prompt="Hi")
+        assert raised.value.status_code == 401
+        assert raised.value.body["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        served.client(api_key="wrong").models.list()
+    for key in ("alpha", "beta"):
+        reply = served.client(api_key=key).completions.create(
+            model=served.model, prompt="Hi", max_tokens=2
+        )
+        assert reply.usage.completion_tokens == 2
+    assert get(served.base_url + "/health")[0] == 200  # probes carry no token
+    # and gRPC takes the same tokens
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = pb.TokenizeRequest(texts=["Hi"])
+        stub.Tokenize(request, metadata=[("authorization", "Bearer beta")], timeout=10)
+        with pytest.raises(grpc.RpcError) as rpc:
+            stub.Tokenize(request, metadata=[("authorization", "Bearer no")], timeout=10)
+        assert rpc.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-    def slow(plan: Any, *args: Any) -> Any:
-        time.sleep(seconds)
-        return execute(plan, *args)
 
-    engine.execute = slow  # type: ignore[method-assign]
+def test_admission_is_one_limit_for_grpc_and_http(guarded: ServerThread) -> None:
+    served = guarded  # its steps are slowed: the two admitted requests still run at the 429
+
+    async def main() -> tuple[int, dict[str, str], dict[str, Any]]:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{served.grpc_port}")
+        grpc_call = generation_pb2_grpc.GenerationStub(channel).GenerateStream(
+            pb.GenerateRequest(text="Hi", stopping=pb.StoppingOptions(max_new_tokens=1000)),
+            metadata=[("authorization", "Bearer alpha")],
+        )
+        await grpc_call.read()  # Accepted: it holds one slot
+        async with served.async_client(api_key="alpha") as client:
+            stream = await client.completions.create(
+                model=served.model, prompt="Hi", max_tokens=1000, stream=True
+            )
+            # its headers came back: it is admitted (queued behind gRPC's), the other slot
+            try:
+                await client.completions.create(model=served.model, prompt="Hi")
+            except openai.RateLimitError as exc:
+                return exc.status_code, dict(exc.response.headers), exc.body
+            finally:
+                await stream.close()
+                grpc_call.cancel()
+                await channel.close()
+        raise AssertionError("admitted past the limit")
+
+    status, headers, body = asyncio.run(main())
+    assert status == 429 and headers["retry-after"] == "3"  # whole seconds, rounded up
+    assert body["type"] == "rate_limit_error" and body["code"] == "overloaded"
+    served.assert_nothing_left()
 
 
-def test_draining_turns_health_and_requests_503(model_dir) -> None:
-    with http_server(model_dir("llama"), fake_runner=True) as served:
-        served.run(lambda: _slow_steps(served, 0.01))
-        client = served.client()
+def test_draining_turns_health_and_requests_503(fake: ServerThread) -> None:
+    served = fake
+    client = served.client()
 
-        async def drain_during_a_stream() -> tuple[list[str | None], str, int]:
-            async with served.async_client() as aclient:
-                stream = await aclient.completions.create(
-                    model=served.model, prompt="Hi", max_tokens=1000, stream=True
-                )
-                first = await stream.__anext__()
-                drained = asyncio.wrap_future(
-                    asyncio.run_coroutine_threadsafe(served.state.drain(0.3), served.loop)
-                )
-                finishes = [first.choices[0].finish_reason]
-                async for chunk in stream:
-                    finishes += [c.finish_reason for c in chunk.choices]
-                health = await asyncio.to_thread(get, served.base_url + "/health")
-                return finishes, json.loads(health[2])["error"]["code"], await drained
+    async def drain_during_a_stream() -> tuple[list[str | None], str, int]:
+        async with served.async_client() as aclient:
+            stream = await aclient.completions.create(
+                model=served.model, prompt="Hi", max_tokens=1000, stream=True
+            )
+            first = await stream.__anext__()
+            drained = asyncio.wrap_future(
+                asyncio.run_coroutine_threadsafe(served.state.drain(0.3), served.loop)
+            )
+            finishes = [first.choices[0].finish_reason]
+            async for chunk in stream:
+                finishes += [c.finish_reason for c in chunk.choices]
+            health = await asyncio.to_thread(get, served.base_url + "/health")
+            return finishes, json.loads(health[2])["error"]["code"], await drained
 
+    try:
         finishes, health_code, num_aborted = asyncio.run(drain_during_a_stream())
         # the stream in flight got the drain's grace, then its end: finish_reason "abort"
         assert finishes[-1] == "abort" and num_aborted == 1
@@ -271,92 +313,82 @@ def test_draining_turns_health_and_requests_503(model_dir) -> None:
         with pytest.raises(openai.InternalServerError) as raised:
             client.completions.create(model=served.model, prompt="Hi")
         assert raised.value.status_code == 503 and raised.value.body["code"] == "draining"
-        assert served.call(served.state.resume())
-        assert get(served.base_url + "/health")[0] == 200
-        client.completions.create(model=served.model, prompt="Hi", max_tokens=2)
-        served.assert_nothing_left()
+    finally:
+        resumed = served.call(served.state.resume())  # the next tests need it serving
+    assert resumed
+    assert get(served.base_url + "/health")[0] == 200
+    client.completions.create(model=served.model, prompt="Hi", max_tokens=2)
+    served.assert_nothing_left()
 
 
-def test_disconnected_streams_free_everything(model_dir) -> None:
+def test_disconnected_streams_free_everything(fake: ServerThread) -> None:
     """200 SSE streams, a third of them dropped mid-stream: none keeps running."""
-    flags = ("--metrics-port", "0", "--max-num-seqs", "256")
-    with http_server(model_dir("llama"), *flags, fake_runner=True) as served:
-        served.run(lambda: _slow_steps(served, 0.002))
+    served = fake
+    before = finished(served)
 
-        async def main() -> list[int]:
-            async with served.async_client(timeout=60) as client:
+    async def main() -> list[int]:
+        async with served.async_client(timeout=60) as client:
 
-                async def one(i: int) -> int:
-                    is_dropped = i % 3 == 0
-                    stream = await client.completions.create(
-                        model=served.model,
-                        prompt=f"stream {i}",
-                        max_tokens=1500 if is_dropped else 40,
-                        stream=True,
-                        extra_body={"ignore_eos": True},
-                    )
-                    num_chunks = 0
-                    async for _chunk in stream:
-                        num_chunks += 1
-                        if is_dropped and num_chunks == 3:
-                            await stream.close()  # the connection goes: a disconnect
-                            break
-                    return num_chunks
+            async def one(i: int) -> int:
+                is_dropped = i % 3 == 0
+                stream = await client.completions.create(
+                    model=served.model,
+                    prompt=f"stream {i}",
+                    max_tokens=1500 if is_dropped else 40,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                num_chunks = 0
+                async for _chunk in stream:
+                    num_chunks += 1
+                    if is_dropped and num_chunks == 3:
+                        await stream.close()  # the connection goes: a disconnect
+                        break
+                return num_chunks
 
-                return await asyncio.gather(*(one(i) for i in range(200)))
+            return await asyncio.gather(*(one(i) for i in range(200)))
 
-        counts = asyncio.run(main())
-        assert counts.count(3) >= 67 and len(counts) == 200
-        served.assert_nothing_left()
-        # the dropped ones were aborted (cancelled), not run out to their 1500 tokens
-        assert served.state.metrics is not None
-        _, _, text = get(f"http://127.0.0.1:{served.state.metrics.port}/metrics")
-        name = "asyncengine_requests_finished_total"
-        assert metric(text.decode(), name, reason="cancelled") == 67
-        assert metric(text.decode(), name, reason="length") == 133
+    counts = asyncio.run(main())
+    assert counts.count(3) >= 67 and len(counts) == 200
+    served.assert_nothing_left()
+    # the dropped ones were aborted (cancelled), not run out to their 1500 tokens
+    after = finished(served)
+    assert after["cancelled"] - before["cancelled"] == 67
+    assert after["length"] - before["length"] == 133
 
 
-def test_a_client_that_leaves_a_whole_response_aborts_it(model_dir) -> None:
-    with http_server(model_dir("llama"), "--metrics-port", "0", fake_runner=True) as served:
-        served.run(lambda: _slow_steps(served, 0.01))
-        with pytest.raises(openai.APITimeoutError):
-            served.client(timeout=0.5).completions.create(
-                model=served.model, prompt="Hi", max_tokens=1500
-            )
-        served.assert_nothing_left()  # within a step, not after 15 s of generating
-        assert served.state.metrics is not None
-        _, _, text = get(f"http://127.0.0.1:{served.state.metrics.port}/metrics")
-        assert metric(text.decode(), "asyncengine_requests_finished_total", reason="cancelled") == 1
+def test_a_client_that_leaves_a_whole_response_aborts_it(fake: ServerThread) -> None:
+    before = finished(fake)
+    with pytest.raises(openai.APITimeoutError):
+        fake.client(timeout=0.5).completions.create(model=fake.model, prompt="Hi", max_tokens=1500)
+    fake.assert_nothing_left()  # within a step, not after 7.5 s of generating
+    assert finished(fake)["cancelled"] - before["cancelled"] == 1
 
 
-def test_a_stream_nobody_reads_is_cut_off_after_the_stall_time(model_dir) -> None:
-    flags = ("--stall-timeout", "0.5", "--metrics-port", "0")
-    with http_server(model_dir("llama"), *flags, fake_runner=True) as served:
-        # steps of 5 ms: the generation (>= 7.5 s) outlasts the stall, which it would not
-        # with tokens scripted as fast as the loop goes
-        served.run(lambda: _slow_steps(served, 0.005))
-        # ~20 MB of events: more than the kernel's socket buffers take in unread
-        body = json.dumps(
-            {"prompt": "Hi", "max_tokens": 1500, "n": 48, "stream": True, "ignore_eos": True}
-        ).encode()
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.connect(("127.0.0.1", served.http_port))
-            sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode()
-                + body
-            )  # and never read a byte
-            deadline = time.monotonic() + 30
-            while not served.run(lambda: bool(served.state.flights)):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
-            served.wait_idle(timeout=60)
-        assert served.state.metrics is not None
-        _, _, text = get(f"http://127.0.0.1:{served.state.metrics.port}/metrics")
-        assert metric(text.decode(), "asyncengine_stalled_streams_total") == 1
-        assert metric(text.decode(), "asyncengine_requests_finished_total", reason="cancelled") == 1
-        served.assert_nothing_left()
+def test_a_stream_nobody_reads_is_cut_off_after_the_stall_time(fake: ServerThread) -> None:
+    served = fake  # a stall time of 0.5 s; steps of 5 ms more, so the generation (>= 7.5 s)
+    # outlasts the stall, which it would not with tokens scripted as fast as the loop goes
+    before, stalled_before = finished(served), num_stalled(served)
+    # ~20 MB of events: more than the kernel's socket buffers take in unread
+    body = json.dumps(
+        {"prompt": "Hi", "max_tokens": 1500, "n": 48, "stream": True, "ignore_eos": True}
+    ).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", served.http_port))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )  # and never read a byte
+        deadline = time.monotonic() + 30
+        while not served.run(lambda: bool(served.state.flights)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        served.wait_idle(timeout=60)
+    assert num_stalled(served) - stalled_before == 1
+    assert finished(served)["cancelled"] - before["cancelled"] == 1
+    served.assert_nothing_left()
 
 
 def test_serve_with_http_port_runs_and_stops_on_sigterm(model_dir, tmp_path: Path) -> None:

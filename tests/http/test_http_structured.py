@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
-from serving_http import ServerThread, http_server
+from serving_http import ServerThread
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -25,13 +23,6 @@ SCHEMA = {
 }
 # random weights fill JSON with whitespace without end: vLLM's option for compact JSON
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
-
-
-@pytest.fixture(scope="module")
-def server(chat_model: Path) -> Iterator[ServerThread]:
-    with http_server(chat_model) as served:
-        yield served
-        served.assert_nothing_left()
 
 
 def chat(server: ServerThread, n: int, **kwargs: object) -> list[tuple[str, str]]:
