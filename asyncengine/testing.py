@@ -439,8 +439,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     hooks.add_argument("--step-delay", type=float, default=0.0)
     ns, rest = hooks.parse_known_args(sys.argv[1:] if argv is None else argv)
 
+    # by its module's name: run as `python -m asyncengine.testing`, this module is __main__,
+    # which the engine process does not import
+    from asyncengine import testing
+
     factory = functools.partial(
-        hooked_llm_engine,
+        testing.hooked_llm_engine,
         fake_runner=ns.fake_runner,
         fault_at=ns.fault_after_steps,
         step_delay_s=ns.step_delay,

@@ -273,7 +273,11 @@ def make_served_engine(
     """The engine `serve` runs: stepping in its own process (--engine-process), or here."""
     if options.engine_process:
         return AsyncLLMEngine.from_engine_args(
-            engine_args, engine_process=True, factory=make_engine, torch_threads=options.torch_threads
+            engine_args,
+            engine_process=True,
+            factory=make_engine,
+            torch_threads=options.torch_threads,
+            heartbeat_timeout_s=options.engine_heartbeat_timeout,
         )
     return AsyncLLMEngine(make_engine(engine_args))
 

@@ -33,6 +33,9 @@ class ServeOptions:
     min_client_ping_interval: float = 10.0
     reflection: bool = True
     engine_process: bool = True
+    # the engine process's heartbeat comes every second from a thread of its own, whatever the
+    # steps do: 30 s of silence is a stopped, frozen or starved process, never a long step
+    engine_heartbeat_timeout: float = 30.0
     torch_threads: int | None = None
     metrics_port: int | None = None
     metrics_host: str | None = None
@@ -118,6 +121,13 @@ _FLAGS: dict[str, tuple[type, str]] = {
         str,
         "file holding a Jinja chat template for /v1/chat/completions, in place of the "
         "tokenizer's own (default: the tokenizer's; a model with none answers chat with 400)",
+    ),
+    "engine_heartbeat_timeout": (
+        float,
+        "seconds the engine process (--engine-process) may send nothing, not even its "
+        "heartbeat, before it is killed and declared dead: health NOT_SERVING, every stream "
+        "ended, exit 1. Its heartbeat does not wait for steps, so a long prefill never trips "
+        "it",
     ),
     "torch_threads": (
         int,
@@ -208,6 +218,7 @@ def check_options(options: ServeOptions) -> None:
         "drain_grace_period",
         "keepalive_time",
         "retry_after",
+        "engine_heartbeat_timeout",
     ):
         if getattr(options, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")

@@ -6,9 +6,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from .utils import (
     NOT_SERVING,
     SERVING,
+    ServerProcess,
     _serve_command,
     detail,
     events,
@@ -117,3 +121,54 @@ def test_a_kv_cache_that_cannot_fit_is_one_line_not_a_traceback(model_dir: Any) 
     assert "Traceback" not in done.stderr
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("asyncengine: error")]
     assert "the KV cache cannot hold one max_model_len" in line and "gpu_memory_utilization" in line
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The children multiprocessing spawned (the engine process; not its resource tracker)."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def test_a_frozen_engine_process_turns_health_not_serving_and_exits_non_zero(
+    model_dir: Any, tmp_path: Path
+) -> None:
+    """A stopped engine process (SIGSTOP: alive, but silent) is an engine death once its
+    heartbeat is missing past --engine-heartbeat-timeout, as a crash is."""
+    flags = ["--fake-runner", "--step-delay", "0.01", "--engine-heartbeat-timeout", "2"]
+    server = ServerProcess(model_dir("llama"), tmp_path / "server.log", *flags)
+    try:
+        server.wait_serving()
+        (engine_pid,) = _spawned_children(server.proc.pid)
+
+        async def main() -> tuple[list[grpc.aio.AioRpcError], Any, float]:
+            async with server.aio_channel() as channel:
+                generation, _ = stubs(channel)
+                watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+                assert (await watch.read()).status == SERVING
+                calls = [
+                    generation.GenerateStream(greedy_request([5, 6 + i], 2000), timeout=60)
+                    for i in range(3)
+                ]
+                for call in calls:
+                    await read_until(call, "delta")
+                os.kill(engine_pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+                errors = []
+                for call in calls:
+                    with pytest.raises(grpc.aio.AioRpcError) as failed:
+                        await read_rest(call)
+                    errors.append(failed.value)
+                detected_s = time.monotonic() - stopped
+                return errors, (await watch.read()).status, detected_s
+
+        errors, status, detected_s = asyncio.run(main())
+        assert 2.0 <= detected_s < 10.0
+        for error in errors:
+            assert detail(error, error_details_pb2.ErrorInfo).reason == "ENGINE_DEAD"
+        assert status == NOT_SERVING
+        assert server.proc.wait(timeout=30) != 0
+        (lost,) = [r for r in server.log_records() if r["event"] == "engine_heartbeat_lost"]
+        assert lost["heartbeat_timeout_s"] == 2.0
+        assert not Path(f"/proc/{engine_pid}").exists()  # killed, not left stopped
+    finally:
+        server.kill()
