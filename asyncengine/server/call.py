@@ -14,8 +14,9 @@ from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
 from asyncengine.sampling_params import SamplingParams
+from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.errors import ClientStalledError
-from asyncengine.server.state import AbortReason, Flight, ServerState
+from asyncengine.server.state import Flight, ServerState
 
 logger = get_logger(__name__)
 LOGGED_ID_LEN = 64  # an over-long id is refused; its log lines carry only its start

@@ -14,8 +14,8 @@ from asyncengine.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
+from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.errors import InvalidFieldError
-from asyncengine.server.state import AbortReason
 from asyncengine.v1 import control_pb2, generation_pb2
 
 FinishReason = generation_pb2.FinishReason

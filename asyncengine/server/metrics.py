@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 import asyncengine
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine, StepStats
 from asyncengine.outputs import RequestOutput
-from asyncengine.server.state import AbortReason
+from asyncengine.server.abort_reason import AbortReason
 
 P = "asyncengine_"
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "aborted", "error")

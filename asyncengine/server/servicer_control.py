@@ -12,8 +12,9 @@ import grpc
 import asyncengine
 from asyncengine.errors import EngineDeadError
 from asyncengine.server import convert
+from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.errors import InvalidFieldError, ServerDrainingError, abort_rpc
-from asyncengine.server.state import AbortReason, ServerState
+from asyncengine.server.state import ServerState
 from asyncengine.v1 import control_pb2 as pb
 from asyncengine.v1 import control_pb2_grpc
 

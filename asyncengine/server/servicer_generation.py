@@ -18,6 +18,7 @@ from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.server import convert
+from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.call import LOGGED_ID_LEN, Call
 from asyncengine.server.errors import (
     ClientStalledError,
@@ -25,7 +26,7 @@ from asyncengine.server.errors import (
     abort_rpc,
     set_final_status,
 )
-from asyncengine.server.state import AbortReason, ServerState
+from asyncengine.server.state import ServerState
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
 

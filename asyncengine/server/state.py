@@ -1,15 +1,14 @@
 """The server core's shared half: the engine, the requests in flight, admission, abort and drain.
 
 Both front ends (gRPC and HTTP) use it through `Call` (call.py) and know nothing of each other;
-nothing here imports a front end. Why a request was aborted is an `AbortReason`, the server's
-own enum: gRPC maps it to proto values (convert.py), HTTP and metrics to their words.
+nothing here imports a front end. Why a request was aborted is an `AbortReason`
+(abort_reason.py), the server's own enum, never a proto value.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.errors import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
 from asyncengine.logging import get_logger
+from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.auth import Tenants
 from asyncengine.server.errors import ServerDrainingError
 from asyncengine.server.options import ServeOptions
@@ -32,16 +32,6 @@ logger = get_logger(__name__)
 LIVENESS_SERVICE = "liveness"
 # how long handlers get to send their final messages once their requests are aborted
 _FLUSH_S = 5.0
-
-
-class AbortReason(enum.Enum):
-    """Why the server ended a request the engine was still running; set once, by whoever
-    aborts it, before the engine sees the abort. A request aborted with none set was left by
-    its caller (cancelled, disconnected, past its deadline)."""
-
-    CANCELLED = enum.auto()  # Control.Abort named it
-    TIME_LIMIT = enum.auto()  # its own time limit passed
-    ABORTED_BY_SERVER = enum.auto()  # drain, shutdown, a second signal
 
 
 @dataclass

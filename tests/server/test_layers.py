@@ -35,7 +35,7 @@ def reaching(path: Path, prefixes: tuple[str, ...]) -> list[str]:
 
 
 def test_the_server_core_and_metrics_import_no_front_end() -> None:
-    for name in ("state.py", "call.py", "metrics.py"):
+    for name in ("state.py", "call.py", "abort_reason.py", "metrics.py"):
         assert reaching(SERVER / name, GRPC + HTTP + ASSEMBLY) == [], name
 
 
