@@ -71,6 +71,20 @@ class RequestOutput:
     # once the whole prompt is scored (a DELTA stream carries it once)
     prompt_logprobs: list[Logprobs | None] | None = None
 
+    @classmethod
+    def aborted(
+        cls,
+        request_id: str,
+        num_samples: int,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> RequestOutput:
+        """The final output of a request aborted before the engine stepped it: no tokens."""
+        samples = [
+            CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(num_samples)
+        ]
+        return cls(request_id, prompt, prompt_token_ids or [], samples, finished=True)
+
     def extend(self, later: RequestOutput) -> None:
         """Merge a later DELTA output of the same request into this one, which the caller
         has not taken yet: nothing is lost, and the pending outputs stay one."""

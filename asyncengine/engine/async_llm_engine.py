@@ -23,7 +23,7 @@ from asyncengine.errors import (
     RequestFailedError,
 )
 from asyncengine.logging import get_logger
-from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineFront", "EngineObserver", "RequestStream", "StepStats"]
@@ -464,9 +464,6 @@ class AsyncLLMEngine:
 
 def _aborted_output(stream: RequestStream) -> RequestOutput:
     """The final output of a request aborted before the core had it (or after it was gone)."""
-    samples = [
-        CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(stream.num_samples)
-    ]
-    return RequestOutput(
-        stream.request_id, stream.prompt, stream.prompt_token_ids, samples, finished=True
+    return RequestOutput.aborted(
+        stream.request_id, stream.num_samples, stream.prompt, stream.prompt_token_ids
     )

@@ -30,7 +30,6 @@ import msgspec
 import zmq
 
 from asyncengine.config import EngineArgs
-from asyncengine.core.request import FinishReason
 from asyncengine.engine.core_client import step_stats
 from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.engine.messages import (
@@ -49,7 +48,7 @@ from asyncengine.engine.messages import (
 from asyncengine.engine.validator import ValidatedRequest
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
-from asyncengine.outputs import CompletionOutput, RequestOutput
+from asyncengine.outputs import RequestOutput
 
 logger = get_logger(__name__)
 
@@ -285,7 +284,7 @@ class _Core:
         for request_id in message.request_ids:
             request = self.compiling.pop(request_id, None)  # its compile is dropped when done
             if request is not None:
-                finals.append(_aborted_output(request))
+                finals.append(RequestOutput.aborted(request.request_id, request.sampling_params.n))
         if finals:
             self._send_outputs(finals, None)
         self.send(Aborted(message.ticket, [out.request_id for out in finals]))
@@ -324,10 +323,3 @@ class _Core:
         if request.sampling_params.structured_outputs is not None:
             kind, compile_s = constraint.kind, constraint.compile_s
             self.send(Added(request.request_id, constraint_kind=kind, compile_s=compile_s))
-
-
-def _aborted_output(request: ValidatedRequest) -> RequestOutput:
-    """The final output of a request aborted before the engine queued it."""
-    n = request.sampling_params.n
-    samples = [CompletionOutput(i, "", [], finish=FinishReason.ABORTED) for i in range(n)]
-    return RequestOutput(request.request_id, None, [], samples, finished=True)
