@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import random
+import re
 import signal
 import time
 from typing import Any
@@ -547,3 +548,51 @@ def test_a_frozen_engine_is_dead_within_the_heartbeat_deadline_and_a_long_step_i
             os.kill(process_of(engine).pid, signal.SIGKILL)
     assert deadline_s <= detected_s < deadline_s + 2.0
     assert not process_of(engine).is_alive()
+
+
+def _slow_grammars(args: EngineArgs) -> LLMEngine:
+    """An engine whose grammars take 1 s more to compile: wide open to an abort."""
+    engine = LLMEngine.from_engine_args(args)
+    compile_now = engine.validator.check_structured_outputs
+
+    def compile_slowly(params: SamplingParams) -> Any:
+        time.sleep(1.0)
+        return compile_now(params)
+
+    engine.validator.check_structured_outputs = compile_slowly  # type: ignore[method-assign]
+    return engine
+
+
+@pytest.mark.parametrize("where", ["in-process", "engine process"])
+def test_an_id_aborted_while_compiling_and_reused_at_once_runs_only_the_new_request(
+    model_dir, where
+) -> None:
+    """Both core clients: the abort counts the compiling request, its compile is dropped when
+    it ends, and the id's next request (compiling too) is the only one that runs."""
+    args = engine_args(model_dir, block_size=8, num_gpu_blocks_override=64)
+    if where == "in-process":
+        engine = AsyncLLMEngine(_slow_grammars(args))
+    else:
+        engine = process_engine(args, _slow_grammars)
+
+    def constrained(regex: str) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=12, structured_outputs=StructuredOutputsParams(regex=regex)
+        )
+
+    async def main() -> None:
+        first = asyncio.create_task(collect(engine, "a", constrained("[a-c]{2,9}x{3}"), "Z"))
+        await asyncio.sleep(0.3)  # queued, its grammar compiling
+        assert await engine.abort("Z") == ["Z"]
+        outs = await collect(engine, "b", constrained("[0-4]{3,8}"), "Z")
+        assert re.fullmatch("[0-4]{0,8}", outs[-1].outputs[0].text), outs[-1].outputs[0].text
+        assert (await first)[-1].outputs[0].finish_reason == "abort"
+        await asyncio.sleep(1.2)  # the first compile has ended: it must not run now
+        assert engine.num_requests == 0 and engine.get_stats().num_running == 0
+        assert_nothing_left(engine)
+
+    try:
+        asyncio.run(main())
+        assert not engine.errored
+    finally:
+        asyncio.run(engine.shutdown())

@@ -104,7 +104,8 @@ class InprocClient:
         self._grammar_pool = ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="asyncengine-grammar"
         )
-        self._compiling: set[str] = set()  # constrained requests not queued yet, by core id
+        # constrained requests whose grammar compiles, by core id
+        self._compiling: dict[str, ValidatedRequest] = {}
         self._sink: OutputSink | None = None
         self._has_work: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -123,7 +124,7 @@ class InprocClient:
     async def add_request(self, request: ValidatedRequest) -> Queued | None:
         constraint = None
         if request.sampling_params.structured_outputs is not None:
-            self._compiling.add(request.request_id)
+            self._compiling[request.request_id] = request
             try:
                 constraint = await asyncio.get_running_loop().run_in_executor(
                     self._grammar_pool,
@@ -131,8 +132,10 @@ class InprocClient:
                     request.sampling_params,
                 )
             finally:
-                is_aborted = request.request_id not in self._compiling
-                self._compiling.discard(request.request_id)
+                # by identity: once aborted, its id may be another request's already
+                is_aborted = self._compiling.get(request.request_id) is not request
+                if not is_aborted:
+                    del self._compiling[request.request_id]
             if is_aborted:
                 return None
         self.engine.add_validated_request(request, constraint=constraint)
@@ -143,9 +146,11 @@ class InprocClient:
         return Queued(constraint.kind, constraint.compile_s)
 
     def abort(self, request_ids: list[str]) -> asyncio.Future[list[str]]:
-        for request_id in request_ids:
-            self._compiling.discard(request_id)
         finals = self.engine.abort_request(request_ids)
+        for request_id in request_ids:
+            compiling = self._compiling.pop(request_id, None)  # dropped when its compile ends
+            if compiling is not None:
+                finals.append(RequestOutput.aborted(request_id, compiling.sampling_params.n))
         if finals and self._sink is not None:
             self._sink.on_outputs(finals, None)
         done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
