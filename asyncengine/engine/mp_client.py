@@ -148,6 +148,8 @@ class MPClient:
         sock = self._context.socket(kind)
         # no high-water mark: a burst is buffered, never dropped or refused (admission bounds it)
         sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
+        # nothing left to send once the child is gone: exiting never waits on these
+        sock.setsockopt(zmq.LINGER, 0)
         sock.bind(self._address(name))
         return sock
 
