@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import interrupts
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -17,6 +18,12 @@ from asyncengine.testing import make_random_model
 
 # in-process tests read the engine's INFO events (a library user's default is WARNING)
 configure_logging("INFO")
+
+
+def pytest_sessionstart() -> None:
+    """Ctrl-C: the first kills the test servers and stops the run, a second exits at once."""
+    interrupts.install()
+
 
 ModelDirFactory = Callable[..., Path]
 

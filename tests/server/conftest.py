@@ -68,9 +68,11 @@ def server_pool(
     pool = ServerPool(model_dir("llama"), tmp_path_factory)
     yield pool
     failures = []
+    was_running = {name: server.proc.poll() is None for name, server in pool.servers.items()}
+    for server in pool.servers.values():  # all drain at once
+        server.terminate()
     for name, server in pool.servers.items():
-        was_running = server.proc.poll() is None
         code = server.stop()
-        if was_running and code != 0:
+        if was_running[name] and code != 0:
             failures.append(f"{name}: exit code {code}:\n{server.log()[-4000:]}")
     assert not failures, failures

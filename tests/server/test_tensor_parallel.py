@@ -47,13 +47,11 @@ def tp_servers(
     servers = {}
     for ending in ENDINGS:
         log_path = tmp_path_factory.mktemp(f"tp-server-{ending}") / "server.log"
-        # its own process group, as a terminal's foreground job (Ctrl-C signals the group)
-        servers[ending] = ServerProcess(path, log_path, *TP_FLAGS, start_new_session=True)
+        # in its own process group, as a terminal's foreground job (Ctrl-C signals the group)
+        servers[ending] = ServerProcess(path, log_path, *TP_FLAGS)
     yield servers
     for server in servers.values():
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
+        server.kill()
 
 
 def worker_pids(server: ServerProcess) -> list[int]:

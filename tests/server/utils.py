@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import interrupts
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -41,8 +43,17 @@ def _serve_command(flags: Sequence[str] = ()) -> list[str]:
     return [sys.executable, "-m", "asyncengine.server.cli", "serve"]
 
 
+# the servers started and not yet reaped: a Ctrl-C kills them all at once (`kill_all`)
+_LIVE: set[ServerProcess] = set()
+
+
 class ServerProcess:
-    """One `asyncengine serve` on 127.0.0.1 with a tiny model; its stderr goes to a log file."""
+    """One `asyncengine serve` on 127.0.0.1 with a tiny model; its stderr goes to a log file.
+
+    It runs in a session (and process group) of its own, with its engine process and workers:
+    a terminal's Ctrl-C reaches pytest alone, which then kills every group (`kill_all`), and a
+    test can send a Ctrl-C to the server's group as a terminal would (`os.killpg`).
+    """
 
     def __init__(
         self,
@@ -52,7 +63,6 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         root_cert: bytes | None = None,
         client_cert: tuple[bytes, bytes] | None = None,  # (key, cert)
-        start_new_session: bool = False,  # its own process group, for a Ctrl-C to the group
     ) -> None:
         self.port = free_port()
         self.target = f"127.0.0.1:{self.port}"
@@ -64,14 +74,16 @@ class ServerProcess:
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--device", "cpu", "--dtype", "float32", "--torch-threads", "1", *flags,
         ]  # fmt: skip
-        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed in kill())
+        self._is_terminated = False
         self.proc = subprocess.Popen(
             command,
             stdout=subprocess.DEVNULL,
             stderr=self._log,
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-            start_new_session=start_new_session,
+            start_new_session=True,
         )
+        _LIVE.add(self)
 
     def channel(self, *, secure: bool | None = None, **kwargs: Any) -> grpc.Channel:
         """A sync channel; TLS with this server's root (and client cert) unless secure=False."""
@@ -97,18 +109,30 @@ class ServerProcess:
                 time.sleep(0.1)
         raise TimeoutError(f"server not SERVING after {timeout} s:\n{self.log()}")
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM (graceful drain) and wait; returns the exit code."""
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM (a graceful drain), once, without waiting: `stop` then waits. (A second
+        SIGTERM would cut the drain short, or kill a server already past its handlers.)"""
+        if self.proc.poll() is None and not self._is_terminated:
             self.proc.send_signal(signal.SIGTERM)
+            self._is_terminated = True
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful drain) and wait; returns the exit code. Past `timeout`, or once
+        the server has exited, whatever is left of its process group is killed."""
+        self.terminate()
         try:
             return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
         finally:
-            self._log.close()
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (its engine process and workers too) and reap it.
+        The engine process ignores SIGINT and SIGTERM, so nothing short of this ends it early."""
+        _LIVE.discard(self)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
 
     def log(self) -> str:
         return self.log_path.read_text()
@@ -116,6 +140,17 @@ class ServerProcess:
     def log_records(self) -> list[dict[str, Any]]:
         """Every JSON log line (a non-JSON line fails the caller: logs must be JSON lines)."""
         return [json.loads(line) for line in self.log().splitlines() if line.strip()]
+
+
+def kill_all() -> None:
+    """SIGKILL every server not yet stopped, with its engine and workers, waiting for none
+    (the first Ctrl-C does this; the teardown's `stop` or `kill` then reaps them)."""
+    for server in list(_LIVE):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+interrupts.on_first_interrupt(kill_all)
 
 
 def _channel(module: Any, server: ServerProcess, secure: bool | None, **kwargs: Any) -> Any:
