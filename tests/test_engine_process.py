@@ -19,6 +19,7 @@ import signal
 import time
 from typing import Any
 
+import msgspec
 import pytest
 import uvloop
 
@@ -596,3 +597,35 @@ def test_an_id_aborted_while_compiling_and_reused_at_once_runs_only_the_new_requ
         assert not engine.errored
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_a_message_the_engine_process_cannot_decode_fails_only_its_request(engine) -> None:
+    """A request whose AddRequest does not decode in the child (here: its sampling params
+    turned into a string on the wire) fails alone; the engine and the other request go on."""
+    client = engine.core
+    assert isinstance(client, MPClient)
+    encoder = client._encoder
+
+    class Corrupting:
+        def encode(self, message: Any) -> bytes:
+            if getattr(message, "request_id", None) != "garbled":
+                return encoder.encode(message)
+            raw = msgspec.msgpack.decode(encoder.encode(message))
+            raw[2]["sampling_params"] = "not a SamplingParams"
+            return msgspec.msgpack.encode(raw)
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def main() -> None:
+        client._encoder = Corrupting()  # type: ignore[assignment]
+        try:
+            fine = asyncio.create_task(collect(engine, "fine", params, "fine"))
+            with pytest.raises(RequestFailedError):
+                await asyncio.wait_for(collect(engine, "bad", params, "garbled"), 20)
+            assert len((await fine)[-1].outputs[0].token_ids) == 4
+        finally:
+            client._encoder = encoder
+        assert not engine.errored
+        assert_nothing_left(engine)
+
+    asyncio.run(main())
