@@ -29,8 +29,12 @@ def on_first_interrupt(callback: Callable[[], None]) -> None:
 
 
 def install() -> None:
-    """Take over SIGINT for this process (from the main thread)."""
+    """Take over SIGINT for this process (from the main thread), unless it is ignored: as
+    Python does, a run started with SIGINT ignored (a shell script's `&` job) keeps ignoring
+    it, rather than ignoring it until this call and obeying it after."""
     global _pytest_pid
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return
     _pytest_pid = os.getpid()
     signal.signal(signal.SIGINT, _on_sigint)
 

@@ -27,11 +27,18 @@ STARTED_TIMEOUT_S = 300.0  # the shared servers start on first use, four at once
 ENDED_WITHIN_S = 15.0
 
 
+_PYTEST_WITH_SIGINT = (
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.exit(pytest.console_main())"
+)
+
+
 class Run:
     """pytest on one test of ctrl_c_target.py; its output lines arrive on `lines`."""
 
     def __init__(self, test_name: str) -> None:
-        command = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider"]
+        # SIGINT as in a terminal's foreground job, even where this run's is ignored (an `&` job)
+        command = [sys.executable, "-c", _PYTEST_WITH_SIGINT, "-q", "-s", "-p", "no:cacheprovider"]
         self.proc = subprocess.Popen(
             [*command, f"{TARGET}::{test_name}"],
             cwd=Path(__file__).parents[2],
