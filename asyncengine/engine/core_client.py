@@ -17,7 +17,7 @@ import contextvars
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from asyncengine.config import EngineConfig
@@ -227,10 +227,6 @@ def step_stats(
         num_blocks_swapped_out=len(plan.blocks_to_swap_out),
         num_blocks_swapped_in=len(plan.blocks_to_swap_in),
     )
-
-
-def with_core_id(request: ValidatedRequest, core_id: str) -> ValidatedRequest:
-    return replace(request, request_id=core_id)
 
 
 def _timed(fn: Callable[[A], R], arg: A) -> tuple[R, float]:
