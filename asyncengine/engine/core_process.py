@@ -69,6 +69,9 @@ class CoreProcessOptions:
     torch_threads: int | None
     step_timeout_s: float
     heartbeat_interval_s: float
+    # the parent's pid, as the parent saw it: read in the child after its imports, a parent
+    # that died meanwhile would already be pid 1
+    parent_pid: int
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,7 @@ def run_engine_core(factory: CoreFactory, args: EngineArgs, options: CoreProcess
     context = zmq.Context()
     output = _push(context, options.output_address)
     encoder = msgspec.msgpack.Encoder()
-    monitor = _Monitor(context, options, os.getppid())
+    monitor = _Monitor(context, options, options.parent_pid)
     try:
         if options.torch_threads:
             import torch

@@ -13,6 +13,7 @@ import asyncio
 import atexit
 import contextlib
 import itertools
+import os
 import shutil
 import tempfile
 import threading
@@ -103,6 +104,7 @@ class MPClient:
             torch_threads=torch_threads,
             step_timeout_s=step_timeout_s,
             heartbeat_interval_s=min(HEARTBEAT_INTERVAL_S, heartbeat_timeout_s / 4),
+            parent_pid=os.getpid(),
         )
         started = time.perf_counter()
         # spawned without re-running the caller's __main__ (a script without a main guard,
