@@ -34,6 +34,11 @@ from asyncengine.v1 import generation_pb2_grpc
 MAX_TOKENS_PER_DELTA = 64
 MAX_TOKENIZE_TEXTS = 256
 MAX_DETOKENIZE_SEQUENCES = 256
+# offsets and token strings are Python objects, one per token, built under the GIL the serving
+# loop needs: 400,000 of them stalled every stream for 0.5-1 s on a loaded 2-core machine.
+# A byte-level token is at least one byte, so this bounds them before any work; counts and ids
+# (built in C) stay bounded by max_prompt_bytes only.
+MAX_DETAILED_TOKENIZE_BYTES = 65_536
 
 
 class _Writer:
@@ -193,6 +198,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidFieldError(
                 "texts", f"more than {max_bytes} characters in all (max_prompt_bytes)"
             )
+        if request.return_offsets or request.return_tokens:
+            num_bytes = sum(len(text.encode()) for text in request.texts)
+            if num_bytes > MAX_DETAILED_TOKENIZE_BYTES:
+                raise InvalidFieldError(
+                    "return_offsets" if request.return_offsets else "return_tokens",
+                    f"is for at most {MAX_DETAILED_TOKENIZE_BYTES} bytes of text per call "
+                    f"({num_bytes} here); ask for ids and counts only, or send the text in parts",
+                )
 
     def _check_detokenize(self, request: pb.DetokenizeRequest) -> None:
         if len(request.sequences) > MAX_DETOKENIZE_SEQUENCES:
