@@ -48,8 +48,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if self._is_control_disabled:
             logger.warning(
                 "control_disabled",
-                reason="--auth-token is set and --control-auth-token is not: Control calls get "
-                "PERMISSION_DENIED, so no tenant can Drain or Abort",
+                reason="--auth-token is set and --control-auth-token is not: Control calls but "
+                "Abort (a tenant's own requests) get PERMISSION_DENIED, so no tenant can Drain",
                 fix="start the server with --control-auth-token",
             )
 
