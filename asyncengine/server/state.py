@@ -64,7 +64,7 @@ def engine_request_id(tenant: str | None, request_id: str) -> str:
     tenants (no --auth-token) it is the caller's id."""
     if tenant is None:
         return request_id
-    tag = hashlib.sha256(tenant.encode()).hexdigest()[:_TENANT_TAG_LEN]
+    tag = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:_TENANT_TAG_LEN]
     if len(request_id) + 1 + len(tag) > MAX_REQUEST_ID_LEN:
         # the caller's id is checked before (ServerState.admit); the engine's must fit its bound
         request_id = "#" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()

@@ -14,6 +14,7 @@ import pytest
 from google.rpc import error_details_pb2
 from structlog.testing import capture_logs
 
+from asyncengine.engine.validator import MAX_REQUEST_ID_LEN
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server import app
 from asyncengine.server.state import engine_request_id
@@ -26,6 +27,14 @@ from .utils import bad_field, detail, events, greedy_request, read_rest, read_un
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ALPHA, BETA, OPS = "alpha-token", "beta-token", "ops-token"
 FLAGS = ("--auth-token", ALPHA, "--auth-token", BETA, "--control-auth-token", OPS)
+
+
+def test_engine_ids_are_one_per_tenant_and_id_and_fit_the_engines_bound() -> None:
+    longest = "x" * MAX_REQUEST_ID_LEN
+    ids = [engine_request_id(t, rid) for t in ("group:a", "group:b") for rid in ("r", longest)]
+    assert len(set(ids)) == 4 and all(len(i) <= MAX_REQUEST_ID_LEN for i in ids)
+    assert ids[0].startswith("r@") and "group" not in ids[0]  # a digest, not the name
+    assert engine_request_id(None, "r") == "r"  # no tenants: one namespace, the caller's ids
 
 
 def test_tenants_use_the_same_ids_apart_and_abort_only_their_own(
@@ -144,3 +153,26 @@ def test_min_tokens_past_the_context_is_refused_naming_the_field(
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
         assert bad_field(error) == "stopping.min_new_tokens"
         assert "context length" in error.details()
+
+
+def test_a_tenants_id_is_bounded_as_the_engines_own(model_dir: Callable[..., Path]) -> None:
+    """A tenant's id of MAX_REQUEST_ID_LEN is taken (its scope never pushes it past the
+    engine's bound); one character more is refused, naming request_id."""
+
+    async def main() -> tuple[list[Any], grpc.aio.AioRpcError]:
+        server, state, target = await start_server(model_dir("llama"), *FLAGS)
+        try:
+            async with grpc.aio.insecure_channel(target) as chan:
+                generation, _ = stubs(chan)
+                longest = greedy_request([5, 6], 2, request_id="y" * MAX_REQUEST_ID_LEN)
+                served = await read_rest(generation.GenerateStream(longest, metadata=bearer(BETA)))
+                over = greedy_request([5, 6], 2, request_id="y" * (MAX_REQUEST_ID_LEN + 1))
+                error = await status_of(generation.GenerateStream(over, metadata=bearer(BETA)))
+        finally:
+            assert await app.stop(server, state) == 0
+        return served, error
+
+    served, error = asyncio.run(main())
+    assert served[0].accepted.request_id == "y" * MAX_REQUEST_ID_LEN
+    assert events(served)[-1] == "usage"
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_field(error) == "request_id"
