@@ -24,6 +24,15 @@ MAX_CACHE_SALT_LEN = 256
 _MAX_UTF8_BYTES_PER_CHAR = 4
 
 
+def check_request_id(request_id: str) -> None:
+    """A request id is a non-empty string of at most MAX_REQUEST_ID_LEN characters (the
+    engine's ids, and the server's callers' ids before they are scoped by tenant)."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError("request_id", "must be a non-empty string")
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters")
+
+
 @dataclass(frozen=True)
 class ValidatedRequest:
     """A request that passed every check, tokenized: the only thing the engine queues."""
@@ -62,12 +71,7 @@ class RequestValidator:
         cache_salt: str | None = None,
     ) -> None:
         """Everything that can be checked before tokenizing; cheap whatever the input size."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
-        if len(request_id) > MAX_REQUEST_ID_LEN:
-            raise InvalidRequestError(
-                "request_id", f"must be at most {MAX_REQUEST_ID_LEN} characters"
-            )
+        check_request_id(request_id)
         if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_LEN:
             raise InvalidRequestError(
                 "cache_salt", f"must be at most {MAX_CACHE_SALT_LEN} characters"
@@ -120,6 +124,7 @@ class RequestValidator:
                 f"prompt ({num_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"context length (max_model_len {self.max_model_len})",
             )
+        self._check_output_len(num_tokens, params)
         return ValidatedRequest(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -129,6 +134,16 @@ class RequestValidator:
             # a pair, written unambiguously: no tenant's salt can spell another tenant's
             cache_salt if tenant is None else repr((tenant, cache_salt)),
         )
+
+    def _check_output_len(self, num_tokens: int, params: SamplingParams) -> None:
+        """A min_tokens the context cannot hold would run to the context limit regardless."""
+        room = self.max_model_len - num_tokens
+        if params.min_tokens > room:
+            raise InvalidRequestError(
+                "min_tokens",
+                f"prompt ({num_tokens} tokens) + min_tokens ({params.min_tokens}) exceeds the "
+                f"context length (max_model_len {self.max_model_len})",
+            )
 
     def check_structured_outputs(self, params: SamplingParams) -> CompiledConstraint | None:
         """The request's compiled constraint (None without one). Slow on a cache miss: the

@@ -1,7 +1,8 @@
 """Bearer-token auth: `authorization: Bearer <token>` metadata, checked before any handler runs.
 
 Tenant tokens (--auth-token) open Generation, Control tokens (--control-auth-token) open Control;
-neither opens the other. `Tenants` names the tenant of a call, which salts the prefix cache.
+neither opens the other, but for Control.Abort, which a tenant may call on its own requests.
+`Tenants` names the tenant of a call, which salts the prefix cache and scopes request ids.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from asyncengine.v1 import control_pb2
 logger = get_logger(__name__)
 
 _CONTROL_PREFIX = f"/{control_pb2.DESCRIPTOR.services_by_name['Control'].full_name}/"
+# a tenant aborts its own requests by id (ServerState.abort_ids): no other tenant's are reached
+_ABORT_METHOD = _CONTROL_PREFIX + "Abort"
 # probes (kubelet, load balancers) cannot send tokens, and health reveals nothing
 _OPEN_PREFIXES = (f"/{health.SERVICE_NAME}/",)
 CONTROL_DISABLED_MESSAGE = (
@@ -34,7 +37,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Admits calls that carry one of the accepted tokens; Control takes only its own.
 
     `tokens` are --auth-token values (GROUP:TOKEN accepts TOKEN). With tenant tokens and no
-    Control token, Control stays off, so that no tenant can Drain or Abort.
+    Control token, Control stays off, so that no tenant can Drain; Abort takes both kinds (a
+    tenant's reaches only its own requests).
     """
 
     def __init__(self, tokens: Sequence[str], control_tokens: Sequence[str] = ()) -> None:
@@ -44,8 +48,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if self._is_control_disabled:
             logger.warning(
                 "control_disabled",
-                reason="--auth-token is set and --control-auth-token is not: Control calls get "
-                "PERMISSION_DENIED, so no tenant can Drain or Abort",
+                reason="--auth-token is set and --control-auth-token is not: Control calls but "
+                "Abort (a tenant's own requests) get PERMISSION_DENIED, so no tenant can Drain",
                 fix="start the server with --control-auth-token",
             )
 
@@ -59,14 +63,15 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(_OPEN_PREFIXES) or handler is None:
             return handler
         is_control = method.startswith(_CONTROL_PREFIX)
-        if is_control and self._is_control_disabled:
+        if method == _ABORT_METHOD:
+            accepted = self._tokens + self._control_tokens
+        elif is_control and self._is_control_disabled:
             return _rejecting(handler, PermissionDeniedError(CONTROL_DISABLED_MESSAGE))
-        accepted = self._control_tokens if is_control else self._tokens
+        else:
+            accepted = self._control_tokens if is_control else self._tokens
         if not accepted:
             return handler
-        token = _bearer_token(handler_call_details.invocation_metadata or ())
-        # compare against every token in constant time so timing reveals nothing
-        if token is not None and sum(_equal(token, t) for t in accepted) > 0:
+        if carries_token(handler_call_details.invocation_metadata, accepted):
             return handler
         return _rejecting(
             handler, UnauthenticatedError("a valid bearer token is required for " + method)
@@ -80,8 +85,9 @@ class Tenants:
     token itself); the tokens of --auth-token GROUP:TOKEN values are one tenant, "group:GROUP".
     """
 
-    def __init__(self, identities: Mapping[str, str]) -> None:
+    def __init__(self, identities: Mapping[str, str], operator_tokens: Sequence[str] = ()) -> None:
         self._identities = dict(identities)  # accepted token -> tenant identity
+        self._operator_tokens = tuple(operator_tokens)  # Control tokens: every tenant's requests
 
     @classmethod
     def from_options(cls, options: ServeOptions) -> Tenants:
@@ -89,7 +95,17 @@ class Tenants:
         for value in options.auth_tokens:
             group, token = parse_auth_token(value)
             identities[token] = _digest(token) if group is None else f"group:{group}"
-        return cls(identities)
+        return cls(identities, options.control_auth_tokens)
+
+    def abort_scope(self, invocation_metadata: Any) -> tuple[str | None, bool]:
+        """(tenant, is_operator) of an Abort call: a tenant's token reaches that tenant's
+        requests only; a Control token, or any caller of a server without tenant tokens (one
+        namespace), reaches every request."""
+        if not self._identities:
+            return None, True
+        if carries_token(invocation_metadata, self._operator_tokens):
+            return None, True
+        return self.identity(invocation_metadata), False
 
     def identity(self, invocation_metadata: Any) -> str | None:
         """The tenant of a call with this metadata; None when Generation takes no tokens."""
@@ -100,6 +116,13 @@ class Tenants:
         if identity is None:  # the interceptor admits no such call; never fall back to sharing
             raise UnauthenticatedError("a valid bearer token is required")
         return identity
+
+
+def carries_token(invocation_metadata: Any, tokens: Sequence[str]) -> bool:
+    """The call's bearer token is one of `tokens`."""
+    token = _bearer_token(invocation_metadata or ())
+    # compared with every token in constant time, so timing reveals nothing
+    return token is not None and sum(_equal(token, t) for t in tokens) > 0
 
 
 def _digest(token: str) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from asyncengine.engine.request_stream import RequestStream
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import DuplicateRequestError, InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
 from asyncengine.sampling_params import SamplingParams
@@ -81,7 +81,7 @@ class Call:
         self.protocol = protocol  # "grpc" or "http": a field of the log line
         self.tenant = tenant
         self._time_limit_s = time_limit_s
-        self._requested = [Flight(request_id) for request_id in request_ids]
+        self._requested = [Flight(request_id, tenant) for request_id in request_ids]
         self.flights: list[Flight] = []  # once admitted
         self.streams: list[RequestStream] = []  # of the requests the engine took, in order
         self._failure: str | None = None  # how the call failed, when it did
@@ -128,7 +128,7 @@ class Call:
             for index, (flight, prompt) in enumerate(zip(self.flights, prompts)):
                 try:
                     stream = await state.engine.add_request(
-                        flight.request_id,
+                        flight.engine_id,
                         prompt,
                         params,
                         priority,
@@ -136,6 +136,10 @@ class Call:
                         tenant=self.tenant,
                         strict_max_tokens=True,
                     )
+                except DuplicateRequestError:
+                    # the engine's id is in use (by a caller of the engine itself): named by the
+                    # caller's id, never the engine's, which carries the tenant's tag
+                    raise DuplicateRequestError(flight.request_id) from None
                 except InvalidRequestError as exc:
                     raise invalid(exc, index) from None
                 finally:
@@ -166,7 +170,7 @@ class Call:
         if not ready and deadline is not None and time.monotonic() >= deadline:
             self._is_timed_out = True
             unfinished = [
-                flight.request_id
+                flight
                 for flight, tally in zip(self.flights, self._tallies)
                 if not tally.is_finished
             ]
@@ -219,6 +223,7 @@ class Call:
 
     @property
     def request_ids(self) -> list[str]:
+        """The callers' ids (the engine knows them by `Flight.engine_id`)."""
         return [flight.request_id for flight in self._requested]
 
     def abort_reason(self, index: int) -> AbortReason | None:
@@ -268,6 +273,7 @@ class Call:
             "request_finished",
             protocol=self.protocol,
             request_id=flight.request_id[:LOGGED_ID_LEN],
+            tenant=self.tenant,
             finish_reason=reason,
             prompt_tokens=len(stream.prompt_token_ids),
             completion_tokens=tally.num_completion_tokens,

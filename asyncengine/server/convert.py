@@ -222,15 +222,17 @@ def logprobs(
 
 
 def generate_result(
+    request_id: str,
     final: RequestOutput,
     finished: generation_pb2.Finished,
     options: generation_pb2.ResponseOptions,
     tokenizer: Any,
 ) -> generation_pb2.GenerateResult:
-    """One prompt's result of a unary Generate, from its final output."""
+    """One prompt's result of a unary Generate, from its final output; `request_id` is the
+    caller's (the output's is the engine's, scoped by tenant)."""
     completion = final.outputs[0]
     result = generation_pb2.GenerateResult(
-        request_id=final.request_id,
+        request_id=request_id,
         text=completion.text,
         finish_reason=finished.reason,
         stop_string=finished.stop_string,

@@ -21,6 +21,9 @@ class ServeOptions:
     tls_client_ca: str | None = None
     auth_tokens: tuple[str, ...] = ()
     control_auth_tokens: tuple[str, ...] = ()
+    # scrapers and probes carry no app tokens (vLLM's /metrics is open with --api-key too):
+    # the HTTP port's /metrics is open unless operators want it behind their Control token
+    auth_metrics: bool = False
     max_message_size: int = 64 * MiB
     max_queued_requests: int = 1024
     max_concurrent_rpcs: int | None = None
@@ -163,9 +166,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=None,
         help="bearer token the Control service (Abort, Drain, Resume, ...) requires; tenant "
-        "tokens never work there. With --auth-token and no --control-auth-token, Control is off: "
-        "every Control call gets PERMISSION_DENIED (repeat for several; also "
+        "tokens work there for Abort only, which reaches the tenant's own requests (a Control "
+        "token's reaches every tenant's). With --auth-token and no --control-auth-token, "
+        "Control but Abort is off: those calls get PERMISSION_DENIED (repeat for several; also "
         "ASYNCENGINE_CONTROL_AUTH_TOKENS; default: none)",
+    )
+    parser.add_argument(
+        "--auth-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=defaults.auth_metrics,
+        help="the HTTP port's /metrics requires a --control-auth-token (Bearer), for an HTTP "
+        "port that tenants reach; /health and /version stay open for probes, and "
+        "--metrics-port's endpoint is never authenticated (default: %(default)s, open as "
+        "Prometheus scrapers expect)",
     )
     parser.add_argument(
         "--reflection",
@@ -190,6 +203,7 @@ def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
         **values,
         auth_tokens=_tokens(ns.auth_token, "ASYNCENGINE_AUTH_TOKENS"),
         control_auth_tokens=_tokens(ns.control_auth_token, "ASYNCENGINE_CONTROL_AUTH_TOKENS"),
+        auth_metrics=ns.auth_metrics,
         reflection=ns.reflection,
         engine_process=ns.engine_process,
     )
@@ -238,6 +252,8 @@ def check_options(options: ServeOptions) -> None:
             raise ValueError("--auth-token: a token is given twice with different groups")
     if not groups.keys().isdisjoint(options.control_auth_tokens):
         raise ValueError("--control-auth-token must differ from every --auth-token")
+    if options.auth_metrics and not options.control_auth_tokens:
+        raise ValueError("--auth-metrics needs --control-auth-token (the token /metrics takes)")
     if options.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     if options.max_connection_age is not None and options.max_connection_age <= 0:

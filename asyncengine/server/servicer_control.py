@@ -12,8 +12,12 @@ import grpc
 import asyncengine
 from asyncengine.errors import EngineDeadError
 from asyncengine.server import convert
-from asyncengine.server.abort_reason import AbortReason
-from asyncengine.server.errors import InvalidFieldError, ServerDrainingError, abort_rpc
+from asyncengine.server.errors import (
+    InvalidFieldError,
+    ServerDrainingError,
+    UnauthenticatedError,
+    abort_rpc,
+)
 from asyncengine.server.state import ServerState
 from asyncengine.v1 import control_pb2 as pb
 from asyncengine.v1 import control_pb2_grpc
@@ -33,7 +37,13 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         if len(request.request_ids) > MAX_ABORT_IDS:
             error = InvalidFieldError("request_ids", f"at most {MAX_ABORT_IDS} ids per call")
             await abort_rpc(context, error)
-        aborted = await self._state.abort(request.request_ids, AbortReason.CANCELLED)
+        metadata = context.invocation_metadata() or ()
+        try:
+            tenant, is_operator = self._state.tenants.abort_scope(metadata)
+        except UnauthenticatedError as exc:
+            await abort_rpc(context, exc)
+        # another tenant's id is answered as an unknown one: ignored, and not in aborted_ids
+        aborted = await self._state.abort_ids(request.request_ids, tenant, is_operator=is_operator)
         return pb.AbortResponse(aborted_ids=aborted)
 
     async def GetModelInfo(

@@ -140,7 +140,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         for index, final in enumerate(finals):
             finished = self._finished(call.abort_reason(index), final.outputs[0])
             results.append(
-                convert.generate_result(final, finished, request.response, self._tokenizer)
+                convert.generate_result(
+                    call.request_ids[index], final, finished, request.response, self._tokenizer
+                )
             )
         return pb.GenerateBatchResponse(results=results)
 
@@ -290,7 +292,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         while out is None or not out.finished:
             ready = await call.next_outputs(heartbeat_s)
             if not ready:
-                phase = convert.phase(self._engine.request_phase(call.request_ids[0]))
+                phase = convert.phase(self._engine.request_phase(call.flights[0].engine_id))
                 seq = writer.next_sequence_number()
                 await writer.write(
                     pb.GenerateResponse(heartbeat=pb.Heartbeat(phase=phase, sequence_number=seq))

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
+from asyncengine.engine.validator import MAX_REQUEST_ID_LEN, check_request_id
 from asyncengine.errors import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.server.abort_reason import AbortReason
@@ -36,11 +38,37 @@ _FLUSH_S = 5.0
 
 @dataclass
 class Flight:
-    """One request of an open call, from admission until its handler has sent its last message."""
+    """One request of an open call, from admission until its handler has sent its last message.
+
+    `request_id` is the caller's, unique within its `tenant` only; `engine_id` is the one the
+    engine knows it by, unique across tenants (`engine_request_id`).
+    """
 
     request_id: str
+    tenant: str | None = None
     abort_reason: AbortReason | None = None
     admitted_at: float = field(default_factory=time.monotonic)
+    engine_id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.engine_id = engine_request_id(self.tenant, self.request_id)
+
+
+_TENANT_TAG_LEN = 16  # hex digits of sha256: 64 bits tell tenants apart, as their digests do
+
+
+def engine_request_id(tenant: str | None, request_id: str) -> str:
+    """The engine's id of a tenant's request: one per (tenant, id), so tenants may use the same
+    ids and never meet in the engine's one namespace. It ends in a digest of the tenant (fixed
+    length, no name); an id too long to carry it whole is carried as its own digest. Without
+    tenants (no --auth-token) it is the caller's id."""
+    if tenant is None:
+        return request_id
+    tag = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:_TENANT_TAG_LEN]
+    if len(request_id) + 1 + len(tag) > MAX_REQUEST_ID_LEN:
+        # the caller's id is checked before (ServerState.admit); the engine's must fit its bound
+        request_id = "#" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{request_id}@{tag}"
 
 
 # told whether the server is ready (admitting) whenever that changes: gRPC's health
@@ -55,6 +83,7 @@ class ServerState:
         self.engine = engine
         self.options = options
         self.started_at = time.monotonic()
+        # by engine id: one per (tenant, caller's id); a tenant can neither see nor take another's
         self.flights: dict[str, Flight] = {}
         self.is_draining = False
         self.is_stopping = False  # set by shutdown: its drain is final, no Resume undoes it
@@ -92,16 +121,17 @@ class ServerState:
         self.check_batch_size(len(flights))
         seen: set[str] = set()
         for flight in flights:
-            if flight.request_id in self.flights or flight.request_id in seen:
+            check_request_id(flight.request_id)  # the caller's id, by the engine's rule
+            if flight.engine_id in self.flights or flight.engine_id in seen:
                 raise DuplicateRequestError(flight.request_id)
-            seen.add(flight.request_id)
+            seen.add(flight.engine_id)
         if self.num_admitted + len(flights) > self.max_in_flight:
             raise EngineOverloadedError(
                 f"{self.num_admitted} requests admitted; the limit is {self.max_in_flight}",
                 retry_after_s=self.options.retry_after,
             )
         for flight in flights:
-            self.flights[flight.request_id] = flight
+            self.flights[flight.engine_id] = flight
         self._num_entering += len(flights)
         self._idle.clear()
 
@@ -130,29 +160,50 @@ class ServerState:
             # a no-op unless the handler left early. An engine in its own process answers
             # an abort after its step: a handler cancelled meanwhile still gives its slot back
             # (the abort itself is sent already)
-            await self.engine.abort(flight.request_id)
+            await self.engine.abort(flight.engine_id)
         finally:
-            if self.flights.get(flight.request_id) is flight:
-                del self.flights[flight.request_id]
+            if self.flights.get(flight.engine_id) is flight:
+                del self.flights[flight.engine_id]
             if not self.flights:
                 self._idle.set()
 
-    def abort_reason_of(self, request_id: str) -> AbortReason | None:
-        """Why the server aborted a request in flight, or None."""
-        flight = self.flights.get(request_id)
+    def abort_reason_of(self, engine_id: str) -> AbortReason | None:
+        """Why the server aborted a request in flight (by its engine id), or None."""
+        flight = self.flights.get(engine_id)
         return None if flight is None else flight.abort_reason
 
-    async def abort(self, request_ids: Iterable[str], reason: AbortReason) -> list[str]:
-        """Abort the given requests still in the engine; returns the ids actually aborted."""
-        ids = []
-        for request_id in request_ids:
-            flight = self.flights.get(request_id)
-            if flight is None or not self.engine.is_in_flight(request_id):
+    async def abort(self, flights: Iterable[Flight], reason: AbortReason) -> list[Flight]:
+        """Abort the given flights still in the engine; returns those actually aborted."""
+        taken = {}
+        for flight in flights:
+            if self.flights.get(flight.engine_id) is not flight:
+                continue
+            if not self.engine.is_in_flight(flight.engine_id):
                 continue
             if flight.abort_reason is None:
                 flight.abort_reason = reason
-            ids.append(request_id)
-        return await self.engine.abort(ids)
+            taken[flight.engine_id] = flight
+        return [taken[engine_id] for engine_id in await self.engine.abort(list(taken))]
+
+    async def abort_ids(
+        self, request_ids: Iterable[str], tenant: str | None, *, is_operator: bool = False
+    ) -> list[str]:
+        """Abort requests by the callers' ids (Control.Abort); returns the ids aborted.
+
+        A tenant reaches its own requests only: another's id is to it an unknown one. An
+        operator (a Control token, or a server without tenant tokens) reaches every tenant's
+        request by that id.
+        """
+        if is_operator:
+            by_id: dict[str, list[Flight]] = {}
+            for flight in self.flights.values():
+                by_id.setdefault(flight.request_id, []).append(flight)
+            chosen = [flight for rid in dict.fromkeys(request_ids) for flight in by_id.get(rid, ())]
+        else:
+            found = (self.flights.get(engine_request_id(tenant, rid)) for rid in request_ids)
+            chosen = [flight for flight in found if flight is not None]
+        aborted = await self.abort(chosen, AbortReason.CANCELLED)
+        return list(dict.fromkeys(flight.request_id for flight in aborted))
 
     # -- readiness and drain -----------------------------------------------------------------
 
@@ -192,7 +243,8 @@ class ServerState:
 
     async def abort_all(self) -> list[str]:
         """Abort every request in flight, as the server's decision (drain, a second signal)."""
-        return await self.abort(list(self.flights), AbortReason.ABORTED_BY_SERVER)
+        aborted = await self.abort(list(self.flights.values()), AbortReason.ABORTED_BY_SERVER)
+        return [flight.request_id for flight in aborted]
 
     async def resume(self) -> bool:
         """Undo a Drain: admission reopens and the server is ready again; whether it was draining.

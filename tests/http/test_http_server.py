@@ -118,6 +118,8 @@ def test_errors_are_openai_shaped_and_name_the_param(fake: ServerThread) -> None
         ({"prompt": "x" * 70000}, "prompt"),
         ({"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
         ({"extra_body": {"top_k": -5}}, "top_k"),
+        # past the context, with no max_tokens to refuse first
+        ({"max_tokens": None, "extra_body": {"min_tokens": 10**9}}, "min_tokens"),
         ({"temperature": "hot"}, "temperature"),  # not a number: pydantic's own check
         ({"suffix": "!"}, "suffix"),
     ]
@@ -243,7 +245,9 @@ def test_bearer_tokens_are_the_grpc_ones(guarded: ServerThread) -> None:
             model=served.model, prompt="Hi", max_tokens=2
         )
         assert reply.usage.completion_tokens == 2
-    assert get(served.base_url + "/health")[0] == 200  # probes carry no token
+    # probes and scrapers carry no token (--auth-metrics puts /metrics behind Control's)
+    for path in ("/health", "/version", "/metrics"):
+        assert get(served.base_url + path)[0] == 200
     # and gRPC takes the same tokens
     with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -442,6 +446,7 @@ def test_serve_with_http_port_runs_and_stops_on_sigterm(model_dir, tmp_path: Pat
         (("--http-port", "9000", "--port", "9000"), "--http-port must differ"),
         (("--http-port", "9100", "--metrics-port", "9100"), "--http-port must differ"),
         (("--chat-template", "/no/such/template.jinja"), "--chat-template"),
+        (("--auth-metrics", "--auth-token", "t"), "--auth-metrics needs --control-auth-token"),
     ],
 )
 def test_bad_http_flags_are_refused_naming_the_flag(flags: tuple[str, ...], message: str) -> None:

@@ -107,7 +107,9 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
         return {"version": asyncengine.__version__}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if state.options.auth_metrics:
+            ctx.authorize_operator(request)
         if state.metrics is None:
             raise HTTPException(404, "metrics are off")
         # cheap reads of counters and the engine's stats, made on the loop that owns them

@@ -19,9 +19,9 @@ from asyncengine.engine.async_llm_engine import AsyncLLMEngine
 from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.auth import Tenants
+from asyncengine.server.auth import Tenants, carries_token
 from asyncengine.server.call import Call
-from asyncengine.server.errors import ClientStalledError
+from asyncengine.server.errors import ClientStalledError, UnauthenticatedError
 from asyncengine.server.http import protocol, sse
 from asyncengine.server.http.errors import InvalidParamError, ModelNotFoundError
 from asyncengine.server.http.params import TokenTexts, param_error
@@ -80,6 +80,13 @@ class HttpContext:
             if sum(hmac.compare_digest(token.encode(), t.encode()) for t in self.tokens) == 0:
                 metadata = []
         return self.tenants.identity(metadata)
+
+    def authorize_operator(self, request: Request) -> None:
+        """UnauthenticatedError unless the request carries a --control-auth-token."""
+        header = request.headers.get("authorization")
+        metadata = [("authorization", header)] if header else []
+        if not carries_token(metadata, self.state.options.control_auth_tokens):
+            raise UnauthenticatedError("a valid Control bearer token is required for /metrics")
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.accepted_models:

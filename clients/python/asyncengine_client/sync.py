@@ -132,7 +132,8 @@ class Client:
         return list(self._unary(self._generation.Detokenize, request, timeout).texts)
 
     def abort(self, request_ids: Sequence[str], *, timeout: float | None = None) -> list[str]:
-        """Abort requests by id (idempotent); returns the ids that were still in flight."""
+        """Abort requests by id (idempotent); returns the ids that were still in flight. A
+        tenant's token reaches its own tenant's requests only; a Control token, anyone's."""
         request = control_pb2.AbortRequest(request_ids=request_ids)
         return list(self._unary(self._control.Abort, request, timeout).aborted_ids)
 

@@ -72,7 +72,9 @@ class ControlServicer:
 
     def Abort(self, request, context):
         """Idempotent: unknown or finished ids are ignored. Each aborted stream ends with
-        Finished(CANCELLED), Usage and status OK.
+        Finished(CANCELLED), Usage and status OK. A tenant's token may call it too and reaches its
+        own tenant's requests only (another tenant's id is ignored as an unknown one); a Control
+        token reaches every tenant's requests with those ids.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
