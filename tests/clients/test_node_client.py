@@ -71,8 +71,9 @@ def server_target(
     with log.open("wb") as log_file:
         server = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
     try:
-        target = f"127.0.0.1:{wait_port(server, log, timeout_s=60)}"
-        wait_serving(target, timeout_s=10)
+        # generous: at the suite's start it comes up beside the shared servers, on 2 cores
+        target = f"127.0.0.1:{wait_port(server, log, timeout_s=300)}"
+        wait_serving(target, timeout_s=60)
         yield target
     finally:
         server.terminate()

@@ -54,7 +54,8 @@ def target(model_dir: ModelDirFactory, tmp_path_factory: pytest.TempPathFactory)
     target = f"127.0.0.1:{port}"
     try:
         with Client(target) as client:  # health needs no token
-            deadline = time.monotonic() + 60
+            # generous: at the suite's start it comes up beside the shared servers, on 2 cores
+            deadline = time.monotonic() + 300
             while server.poll() is None and time.monotonic() < deadline:
                 with contextlib.suppress(UnavailableError):  # not listening yet
                     if client.health(timeout=1) == "SERVING":
