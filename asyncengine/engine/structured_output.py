@@ -1,13 +1,13 @@
 """Structured outputs with xgrammar: each constraint compiled once, one matcher per sample.
 
 A request's constraint is compiled when the request is added (`compile`: thread-safe, cached
-by (kind, spec); the async engine runs it in its compile pool, engine/grammar_compiles.py), so
-it enters the scheduler with
-its grammar ready and the scheduler never knows of grammars. Each step the model runner asks
-for the token bitmask of its constrained rows (`fill_masks`, in the worker thread, while the
-forward runs) and the sampler applies it before sampling; the engine then advances each
-matcher with its sample's new token (`accept`). A matcher lives with its sample: swap and
-recompute keep a sample's tokens, and so its matcher's state, as it is.
+by (kind, spec) within a byte bound; the async engine runs it in the engine's compile pool,
+engine/grammar_compiles.py), so it enters the scheduler with its grammar ready and the
+scheduler never knows of grammars. Each step the model runner asks for the token bitmask of
+its constrained rows (`fill_masks`, in the worker thread, while the forward runs) and the
+sampler applies it before sampling; the engine then advances each matcher with its sample's
+new token (`accept`). A matcher lives with its sample: swap and recompute keep a sample's
+tokens, and so its matcher's state, as it is.
 """
 
 from __future__ import annotations
