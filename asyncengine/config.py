@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,6 +87,18 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """How grammars compile: how many at once, how long a caller waits, how much is cached."""
+
+    # compiles run in a pool of this many threads (one xgrammar thread each)
+    compile_threads: int = 1
+    # a caller waits this long for its grammar's compile, from its start, then gets an error
+    max_compile_s: float = 10.0
+    # compiled grammars kept for reuse, least recently used evicted past this many bytes
+    max_cache_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, derived once from `EngineArgs` and never mutated."""
 
@@ -94,6 +107,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig
     parallel_config: ParallelConfig = ParallelConfig()
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 def _default_model() -> str:
@@ -154,6 +168,11 @@ class EngineArgs:
     expected_concurrency: int | None = None
     # text prompts are measured before tokenizing; default: 32 bytes per token of max_model_len
     max_prompt_bytes: int | None = None
+    # structured outputs (docs/operations.md): compile threads (default: one per 4 CPUs, 1-4),
+    # a caller's wait for its compile, and the compiled-grammar cache's bound
+    grammar_compile_threads: int | None = None
+    max_grammar_compile_s: float = 10.0
+    max_grammar_cache_bytes: int = 256 << 20
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -224,9 +243,22 @@ class EngineArgs:
             "num_gpu_blocks_override",
             "expected_concurrency",
             "max_prompt_bytes",
+            "grammar_compile_threads",
         ):
             value = getattr(self, name)
             _require(value is None or value >= 1, name, ">= 1 or None", value)
+        _require(
+            self.max_grammar_compile_s > 0,
+            "max_grammar_compile_s",
+            "> 0 (seconds)",
+            self.max_grammar_compile_s,
+        )
+        _require(
+            self.max_grammar_cache_bytes >= 0,
+            "max_grammar_cache_bytes",
+            ">= 0 (0: no cache)",
+            self.max_grammar_cache_bytes,
+        )
         _require(
             self.num_cpu_blocks_override is None or self.num_cpu_blocks_override >= 0,
             "num_cpu_blocks_override",
@@ -289,6 +321,11 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(device=device, attention_backend=backend),
             parallel_config=parallel_config,
+            structured_outputs_config=StructuredOutputsConfig(
+                compile_threads=self.grammar_compile_threads or _default_compile_threads(),
+                max_compile_s=self.max_grammar_compile_s,
+                max_cache_bytes=self.max_grammar_cache_bytes,
+            ),
         )
 
 
@@ -298,6 +335,12 @@ class AsyncEngineArgs(EngineArgs):
     `disable_log_requests`, accepted (the engine logs no line per request)."""
 
     disable_log_requests: bool = False
+
+
+def _default_compile_threads() -> int:
+    """One compile thread per 4 CPUs, 1 to 4: on 2 cores one compile at a time leaves the
+    step a core of its own."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def _dtype_name(dtype: object) -> str:

@@ -100,12 +100,8 @@ class InprocClient:
         self.front: EngineFront = engine
         self.step_timeout_s = step_timeout_s
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="asyncengine-step")
-        # structured-outputs grammars compile here: a slow one holds up no prompt's tokenizing
-        self._grammar_pool = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="asyncengine-grammar"
-        )
-        # constrained requests whose grammar compiles, by core id
-        self._compiling: dict[str, ValidatedRequest] = {}
+        # constrained requests whose grammar compiles, by core id, and the waits on them
+        self._compiling: dict[str, tuple[ValidatedRequest, asyncio.Future[Any]]] = {}
         self._sink: OutputSink | None = None
         self._has_work: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -124,16 +120,20 @@ class InprocClient:
     async def add_request(self, request: ValidatedRequest) -> Queued | None:
         constraint = None
         if request.sampling_params.structured_outputs is not None:
-            self._compiling[request.request_id] = request
+            # cancelling the wait (the caller left, or an abort) cancels the compile: dropped
+            # if queued, its result discarded if running
+            compile_ = self.engine.grammar_compiles.submit(request.sampling_params)
+            waiting = asyncio.wrap_future(compile_)
+            compiling = (request, waiting)
+            self._compiling[request.request_id] = compiling
             try:
-                constraint = await asyncio.get_running_loop().run_in_executor(
-                    self._grammar_pool,
-                    self.engine.validator.check_structured_outputs,
-                    request.sampling_params,
-                )
+                constraint = await waiting
+            except asyncio.CancelledError:
+                if _is_cancelling():
+                    raise
             finally:
                 # by identity: once aborted, its id may be another request's already
-                is_aborted = self._compiling.get(request.request_id) is not request
+                is_aborted = self._compiling.get(request.request_id) is not compiling
                 if not is_aborted:
                     del self._compiling[request.request_id]
             if is_aborted:
@@ -148,9 +148,11 @@ class InprocClient:
     def abort(self, request_ids: list[str]) -> asyncio.Future[list[str]]:
         finals = self.engine.abort_request(request_ids)
         for request_id in request_ids:
-            compiling = self._compiling.pop(request_id, None)  # dropped when its compile ends
+            compiling = self._compiling.pop(request_id, None)
             if compiling is not None:
-                finals.append(RequestOutput.aborted(request_id, compiling.sampling_params.n))
+                request, waiting = compiling
+                waiting.cancel()
+                finals.append(RequestOutput.aborted(request_id, request.sampling_params.n))
         if finals and self._sink is not None:
             self._sink.on_outputs(finals, None)
         done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
@@ -212,7 +214,6 @@ class InprocClient:
         self._executor.shutdown(wait=False, cancel_futures=True)
         # tensor-parallel workers stop here (after the step in flight, if any, or it fails)
         await asyncio.to_thread(self.engine.shutdown)
-        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def step_stats(
@@ -227,6 +228,12 @@ def step_stats(
         num_blocks_swapped_out=len(plan.blocks_to_swap_out),
         num_blocks_swapped_in=len(plan.blocks_to_swap_in),
     )
+
+
+def _is_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (not only a future it awaited)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _timed(fn: Callable[[A], R], arg: A) -> tuple[R, float]:

@@ -15,6 +15,7 @@ is gone. The child is spawned, not forked, and builds its engine from `CoreFacto
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import signal
@@ -22,7 +23,6 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ import zmq
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.core_client import step_stats
+from asyncengine.engine.grammar_compiles import GrammarCompile
 from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.engine.messages import (
     Aborted,
@@ -189,10 +190,9 @@ class _Core:
         self.monitor = monitor
         self.encoder = msgspec.msgpack.Encoder()
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="asyncengine-grammar")
-        # constrained requests whose grammar compiles, by core id (an aborted one is dropped
-        # from here, and its compile when it finishes)
-        self.compiling: dict[str, ValidatedRequest] = {}
+        # constrained requests whose grammar compiles, by core id, and their compiles (an
+        # aborted one is dropped from here and its compile cancelled)
+        self.compiling: dict[str, tuple[ValidatedRequest, GrammarCompile]] = {}
         self.is_stopping = False
         self.last_phases = 0.0
         monitor.on_parent_gone = lambda: self.commands.put(Shutdown())
@@ -269,8 +269,9 @@ class _Core:
             if request.sampling_params.structured_outputs is None:
                 self._add(request, None)
             else:
-                self.compiling[request.request_id] = request
-                self.grammar_pool.submit(self._compile, request)
+                compile_ = self.engine.grammar_compiles.submit(request.sampling_params)
+                self.compiling[request.request_id] = (request, compile_)
+                compile_.add_done_callback(functools.partial(self._on_compile_done, request))
         elif isinstance(message, _Compiled):
             self._on_compiled(message)
         elif isinstance(message, AbortRequests):
@@ -285,26 +286,31 @@ class _Core:
     def _abort(self, message: AbortRequests) -> None:
         finals = self.engine.abort_request(message.request_ids)
         for request_id in message.request_ids:
-            request = self.compiling.pop(request_id, None)  # its compile is dropped when done
-            if request is not None:
+            compiling = self.compiling.pop(request_id, None)
+            if compiling is not None:
+                request, compile_ = compiling
+                compile_.cancel()  # dropped if queued; if running, its result is ignored
                 finals.append(RequestOutput.aborted(request.request_id, request.sampling_params.n))
         if finals:
             self._send_outputs(finals, None)
         self.send(Aborted(message.ticket, [out.request_id for out in finals]))
 
-    def _compile(self, request: ValidatedRequest) -> None:
-        try:
-            constraint = self.engine.validator.check_structured_outputs(request.sampling_params)
-        except InvalidRequestError as exc:
+    def _on_compile_done(self, request: ValidatedRequest, compile_: GrammarCompile) -> None:
+        """In the thread that settled the compile (or cancelled it): hand it to the loop."""
+        if compile_.cancelled():  # aborted: the loop knows already
+            return
+        exc = compile_.exception()
+        if exc is None:
+            self.commands.put(_Compiled(request, compile_.result(), None, None))
+        elif isinstance(exc, InvalidRequestError):
             self.commands.put(_Compiled(request, None, exc, None))
-        except Exception as exc:
-            self.commands.put(_Compiled(request, None, None, repr(exc)))
         else:
-            self.commands.put(_Compiled(request, constraint, None, None))
+            self.commands.put(_Compiled(request, None, None, repr(exc)))
 
     def _on_compiled(self, compiled: _Compiled) -> None:
         request_id = compiled.request.request_id
-        if self.compiling.get(request_id) is not compiled.request:  # aborted while compiling
+        compiling = self.compiling.get(request_id)
+        if compiling is None or compiling[0] is not compiled.request:  # aborted meanwhile
             return
         del self.compiling[request_id]
         if compiled.error is not None:

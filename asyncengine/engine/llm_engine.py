@@ -15,6 +15,7 @@ from asyncengine.core.block_manager import BlockSpaceManager
 from asyncengine.core.request import FinishReason, Request, RequestStatus, new_request_id
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.engine.detokenizer import make_detokenizer
+from asyncengine.engine.grammar_compiles import GrammarCompiles
 from asyncengine.engine.output_processor import RequestState
 from asyncengine.engine.structured_output import CompiledConstraint, StructuredOutputManager
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
@@ -59,6 +60,12 @@ class EngineStats:
     num_preemptions_recompute: int
     num_prefix_cache_queries: int  # prompt tokens looked up
     num_prefix_cache_hits: int  # of those, found cached
+    # structured outputs: the compiled-grammar cache, and the compile pool's counters
+    num_cached_grammars: int = 0
+    grammar_cache_bytes: int = 0
+    grammar_compile_busy_s: float = 0.0  # every compile's time, whether its caller stayed
+    num_grammar_compiles_dropped: int = 0  # the caller left before it started
+    num_grammar_compile_timeouts: int = 0  # the caller was told it ran past the limit
 
 
 def _no_logprobs(request_id: str) -> None:
@@ -109,12 +116,15 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        grammar_config = config.structured_outputs_config
         self.structured = StructuredOutputManager(
-            self.tokenizer, self.vocab_size, self.eos_token_ids
+            self.tokenizer, self.vocab_size, self.eos_token_ids, grammar_config.max_cache_bytes
         )
         self.validator = RequestValidator(
             config, self.vocab_size, num_gpu_blocks, grammars=self.structured
         )
+        # where the core clients compile each constrained request's grammar, off the step
+        self.grammar_compiles = GrammarCompiles(self.validator, grammar_config)
         # one state per caller's request, found by the caller's id or by its engine group id
         self._states: dict[str, RequestState] = {}
         self._groups: dict[str, RequestState] = {}
@@ -239,7 +249,9 @@ class LLMEngine:
             check()
 
     def shutdown(self) -> None:
-        """Stop the model runner's processes (tensor-parallel workers); idempotent."""
+        """Stop the model runner's processes (tensor-parallel workers) and drop the queued
+        grammar compiles; idempotent."""
+        self.grammar_compiles.shutdown()
         shutdown = getattr(self.model_runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -389,6 +401,11 @@ class LLMEngine:
             num_preemptions_recompute=sched.num_preemptions["recompute"],
             num_prefix_cache_queries=bm.num_cache_queries,
             num_prefix_cache_hits=bm.num_cache_hits,
+            num_cached_grammars=self.structured.num_cached,
+            grammar_cache_bytes=self.structured.cache_bytes,
+            grammar_compile_busy_s=self.grammar_compiles.busy_s,
+            num_grammar_compiles_dropped=self.grammar_compiles.num_dropped,
+            num_grammar_compile_timeouts=self.grammar_compiles.num_timed_out,
         )
 
 

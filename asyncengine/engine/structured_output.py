@@ -1,12 +1,13 @@
 """Structured outputs with xgrammar: each constraint compiled once, one matcher per sample.
 
 A request's constraint is compiled when the request is added (`compile`: thread-safe, cached
-by (kind, spec); the async engine runs it in a thread pool), so it enters the scheduler with
-its grammar ready and the scheduler never knows of grammars. Each step the model runner asks
-for the token bitmask of its constrained rows (`fill_masks`, in the worker thread, while the
-forward runs) and the sampler applies it before sampling; the engine then advances each
-matcher with its sample's new token (`accept`). A matcher lives with its sample: swap and
-recompute keep a sample's tokens, and so its matcher's state, as it is.
+by (kind, spec) within a byte bound; the async engine runs it in the engine's compile pool,
+engine/grammar_compiles.py), so it enters the scheduler with its grammar ready and the
+scheduler never knows of grammars. Each step the model runner asks for the token bitmask of
+its constrained rows (`fill_masks`, in the worker thread, while the forward runs) and the
+sampler applies it before sampling; the engine then advances each matcher with its sample's
+new token (`accept`). A matcher lives with its sample: swap and recompute keep a sample's
+tokens, and so its matcher's state, as it is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from asyncengine.core.request import Request
 from asyncengine.sampling_params import StructuredOutputsParams
 from asyncengine.worker.sampler import GrammarMasks
 
-MAX_CACHED_GRAMMARS = 256
 _MAX_ERROR_LEN = 300
 # xgrammar's errors start with a time and a C++ source location: "[12:00:00] /x/y.cc:94: "
 _ERROR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
@@ -70,16 +70,18 @@ class StructuredOutputManager:
         tokenizer: Any,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
-        max_threads: int = 4,
+        max_cache_bytes: int = 256 << 20,
     ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
-        self._max_threads = max_threads
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
         self._lock = threading.Lock()
+        # least recently used first; a grammar evicted stays alive while a request holds it
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self.max_cache_bytes = max_cache_bytes
+        self.cache_bytes = 0
         # a spec being compiled: later requests for it wait on the first one's compile
         self._compiling: dict[tuple[str, str, bool], Future[Any]] = {}
         self._groups: dict[str, _Group] = {}
@@ -112,11 +114,25 @@ class StructuredOutputManager:
             raise
         with self._lock:
             del self._compiling[key]
-            self._cache[key] = grammar
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            self._cache_put(key, grammar)
         future.set_result(grammar)
         return CompiledConstraint(kind, grammar, time.perf_counter() - started)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def _cache_put(self, key: tuple[str, str, bool], grammar: Any) -> None:
+        """Keep `grammar`, evicting the least recently used past max_cache_bytes (one larger
+        than the bound alone is not kept). Under `_lock`."""
+        size = int(grammar.memory_size_bytes)
+        if size > self.max_cache_bytes:
+            return
+        self._cache[key] = grammar
+        self.cache_bytes += size
+        while self.cache_bytes > self.max_cache_bytes:
+            _, evicted = self._cache.popitem(last=False)
+            self.cache_bytes -= int(evicted.memory_size_bytes)
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
@@ -150,10 +166,9 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids
                 )
-                # compiled grammars are cached here, bounded by count, with in-flight sharing
-                self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=self._max_threads, cache_enabled=False
-                )
+                # compiled grammars are cached here, bounded by bytes, with in-flight sharing;
+                # one thread: the compile runs in its caller's (niced, bounded) pool thread
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     # -- matchers (the step) -----------------------------------------------------------------

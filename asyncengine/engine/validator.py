@@ -17,7 +17,7 @@ from asyncengine.engine.structured_output import (
     StructuredOutputManager,
 )
 from asyncengine.errors import InvalidRequestError
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
@@ -152,7 +152,7 @@ class RequestValidator:
         constraint = params.structured_outputs
         if constraint is None:
             return None
-        field = f"structured_outputs.{constraint.kind}"
+        field = constraint_field(constraint)
         if self.grammars is None:
             raise InvalidRequestError(field, "this engine serves no structured outputs")
         try:
@@ -210,3 +210,8 @@ class RequestValidator:
             raise InvalidRequestError(
                 field, f"token ids must be in [0, {self.vocab_size}), got {bad[:5]}"
             )
+
+
+def constraint_field(constraint: StructuredOutputsParams) -> str:
+    """The engine field an error about `constraint` names (`structured_outputs.json`, ...)."""
+    return f"structured_outputs.{constraint.kind}"

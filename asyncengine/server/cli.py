@@ -39,6 +39,12 @@ ENGINE_ARG_HELP = {
     "if max_num_seqs is far from 1.2-1.5x it (default: no check)",
     "max_prompt_bytes": "a text prompt longer than this many UTF-8 bytes is refused before it "
     "is tokenized (default: 32 per token of max_model_len)",
+    "grammar_compile_threads": "structured-outputs grammars compile in this many threads at "
+    "once, at a lower CPU priority than the step (default: one per 4 CPUs, 1 to 4)",
+    "max_grammar_compile_s": "a request whose grammar has compiled for this many seconds gets "
+    "an error naming its constraint field (default: %(default)s)",
+    "max_grammar_cache_bytes": "compiled grammars kept for reuse, the least recently used "
+    "evicted past this many bytes; 0: none kept (default: %(default)s)",
     "tensor_parallel_size": "split the model over this many ranks (GPUs, or CPU processes), "
     "Megatron-style over torch.distributed (default: %(default)s)",
     "distributed_init_method": "tensor parallelism's rendezvous, tcp://HOST:PORT on the leader "

@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 import asyncengine
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine, StepStats
+from asyncengine.engine.llm_engine import EngineStats
 from asyncengine.outputs import RequestOutput
 from asyncengine.server.abort_reason import AbortReason
 
@@ -102,6 +103,34 @@ class _EngineCollector(Collector):
             "Prompt tokens found in the prefix cache",
             value=stats.num_prefix_cache_hits,
         )
+        yield from _grammar_metrics(stats)
+
+
+def _grammar_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """The compiled-grammar cache and the compile pool, as the engine counts them."""
+    yield GaugeMetricFamily(
+        P + "grammar_cache_bytes",
+        "Bytes of compiled grammars kept for reuse (bounded by --max-grammar-cache-bytes)",
+        value=stats.grammar_cache_bytes,
+    )
+    yield GaugeMetricFamily(
+        P + "grammar_cache_entries", "Compiled grammars kept", value=stats.num_cached_grammars
+    )
+    yield CounterMetricFamily(
+        P + "grammar_compile_busy_seconds",
+        "Seconds grammar compiles ran, including those whose callers had left",
+        value=stats.grammar_compile_busy_s,
+    )
+    yield CounterMetricFamily(
+        P + "grammar_compiles_dropped",
+        "Grammar compiles never started: their callers left while they were queued",
+        value=stats.num_grammar_compiles_dropped,
+    )
+    yield CounterMetricFamily(
+        P + "grammar_compile_timeouts",
+        "Requests refused because their grammar ran past --max-grammar-compile-s",
+        value=stats.num_grammar_compile_timeouts,
+    )
 
 
 class ServerMetrics:

@@ -113,6 +113,12 @@ def test_constraints_through_grpc(model_dir: Any) -> None:
     for kind in ("json", "regex", "choice"):
         assert count("grammar_compile_seconds_count", kind) == 1, kind
         assert count("grammar_compile_seconds_sum", kind) > 0
+    # the engine's compiled-grammar cache and compile pool (one grammar per kind kept)
+    assert metrics[("asyncengine_grammar_cache_entries", ())] == 3
+    assert metrics[("asyncengine_grammar_cache_bytes", ())] > 0
+    assert metrics[("asyncengine_grammar_compile_busy_seconds_total", ())] > 0
+    assert metrics[("asyncengine_grammar_compiles_dropped_total", ())] == 0
+    assert metrics[("asyncengine_grammar_compile_timeouts_total", ())] == 0
 
 
 async def check_calls(generation: Any, control: Any) -> None:
