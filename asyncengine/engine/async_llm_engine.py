@@ -216,6 +216,8 @@ class AsyncLLMEngine:
             is_delta=sampling_params.output_kind is RequestOutputKind.DELTA,
             num_samples=sampling_params.n,
         )
+        # in num_requests from here, before the first await: admission hands its slot over
+        # on that (Call._open)
         self._streams[request_id] = stream
         try:
             if isinstance(prompt, str):
