@@ -44,6 +44,10 @@ class ServeOptions:
     handshake_timeout: float = 20.0
     max_pending_rpcs: int = 16384
     max_concurrent_streams: int = 2048
+    http_header_timeout: float = 10.0
+    http_body_timeout: float = 60.0
+    http_keep_alive_timeout: float = 30.0
+    http_max_connections: int = 4096
     http_port: int | None = None
     http_host: str | None = None
     chat_template: str | None = None
@@ -137,6 +141,25 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "further calls wait on its side, so one connection (a flood of opened and cancelled "
         "calls) cannot fill the server's queue; above the admission limit, so a gateway on "
         "one connection still sees RESOURCE_EXHAUSTED",
+    ),
+    "http_header_timeout": (
+        float,
+        "seconds an HTTP request may take to send its request line and headers (from its "
+        "first byte, or from connecting) before the connection is closed: slowloris sockets",
+    ),
+    "http_body_timeout": (
+        float,
+        "seconds an HTTP request may take to send its whole body once its headers are in; "
+        "past it the connection is closed (its handler sees a disconnect)",
+    ),
+    "http_keep_alive_timeout": (
+        float,
+        "seconds an idle HTTP keep-alive connection stays open between requests",
+    ),
+    "http_max_connections": (
+        int,
+        "HTTP connections open at once; past it new connections are closed at once, so "
+        "idle sockets cannot exhaust the process's descriptors",
     ),
     "http_port": (
         int,
@@ -248,6 +271,9 @@ def check_options(options: ServeOptions) -> None:
         "keepalive_time",
         "max_connection_idle",
         "handshake_timeout",
+        "http_header_timeout",
+        "http_body_timeout",
+        "http_keep_alive_timeout",
         "retry_after",
         "engine_heartbeat_timeout",
     ):
@@ -269,7 +295,7 @@ def check_options(options: ServeOptions) -> None:
             raise ValueError("--auth-token: a token is given twice with different groups")
     if not groups.keys().isdisjoint(options.control_auth_tokens):
         raise ValueError("--control-auth-token must differ from every --auth-token")
-    for name in ("max_pending_rpcs", "max_concurrent_streams"):
+    for name in ("max_pending_rpcs", "max_concurrent_streams", "http_max_connections"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if options.max_queued_requests < 0:
