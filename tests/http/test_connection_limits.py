@@ -1,6 +1,8 @@
-"""The HTTP port's connection limits (issue 24): slowloris and silent sockets are closed after
---http-header-timeout, a stalled body after --http-body-timeout, connections past
---http-max-connections at once; a response, however long, is never cut by them."""
+"""Connection limits of both ports (issue 24). HTTP: slowloris and silent sockets are closed
+after --http-header-timeout, a stalled body after --http-body-timeout, connections past
+--http-max-connections at once; a response, however long, is never cut by them. gRPC: a socket
+that never handshakes is closed after --handshake-timeout, a connection that carries no call
+after --max-connection-idle."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from serving_http import ServerThread, http_server
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 1.5, 1.0, 4
+HANDSHAKE_TIMEOUT_S, MAX_CONNECTION_IDLE_S = 1.0, 3.0
+# a client's HTTP/2 connection preface and an empty SETTINGS frame: the handshake, done
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +28,16 @@ def limited(model_dir) -> Iterator[ServerThread]:
         "--no-engine-process", "--http-header-timeout", str(HEADER_TIMEOUT_S),
         "--http-body-timeout", str(BODY_TIMEOUT_S),
         "--http-max-connections", str(MAX_CONNECTIONS),
+        "--handshake-timeout", str(HANDSHAKE_TIMEOUT_S),
+        "--max-connection-idle", str(MAX_CONNECTION_IDLE_S),
     )  # fmt: skip
     with http_server(model_dir("llama"), *flags, fake_runner=True, step_delay_s=0.005) as served:
         yield served
 
 
 @contextlib.contextmanager
-def connection(served: ServerThread) -> Iterator[socket.socket]:
-    sock = socket.create_connection(("127.0.0.1", served.http_port), timeout=10)
+def connection(served: ServerThread, port: int | None = None) -> Iterator[socket.socket]:
+    sock = socket.create_connection(("127.0.0.1", port or served.http_port), timeout=10)
     try:
         yield sock
     finally:
@@ -106,3 +113,21 @@ def test_a_response_longer_than_every_timeout_is_never_cut(limited: ServerThread
     chunks = list(stream)
     assert time.monotonic() - start > HEADER_TIMEOUT_S + BODY_TIMEOUT_S
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_grpc_socket_that_never_handshakes_is_closed_after_the_handshake_timeout(
+    limited: ServerThread,
+) -> None:
+    with connection(limited, limited.grpc_port) as silent:
+        closed_s = seconds_until_closed(silent)
+    assert HANDSHAKE_TIMEOUT_S - 0.2 < closed_s < HANDSHAKE_TIMEOUT_S + 3
+
+
+def test_a_grpc_connection_without_calls_is_closed_after_the_idle_limit(
+    limited: ServerThread,
+) -> None:
+    with connection(limited, limited.grpc_port) as idle:
+        idle.sendall(HTTP2_PREFACE)
+        closed_s = seconds_until_closed(idle)  # past its GOAWAY, the connection goes
+    # gRPC jitters the idle limit by up to 10%; well past the handshake timeout either way
+    assert 0.85 * MAX_CONNECTION_IDLE_S < closed_s < MAX_CONNECTION_IDLE_S + 5
