@@ -48,6 +48,11 @@ class EngineDeadError(RuntimeError):
     """
 
 
+class EngineProcessLostError(RuntimeError):
+    """The engine process exited or fell silent: a cause of engine death that holds no
+    request's values, so callers may read it (EngineDeadError's message quotes it)."""
+
+
 class KVCacheSizingError(RuntimeError):
     """At start-up: the memory budget cannot hold the KV cache the settings need; the message
     says which setting to change (the CLI prints it as one line)."""

@@ -19,6 +19,7 @@ from asyncengine.engine.request_stream import RequestStream
 from asyncengine.errors import (
     DuplicateRequestError,
     EngineDeadError,
+    EngineProcessLostError,
     InvalidRequestError,
     RequestFailedError,
 )
@@ -216,6 +217,8 @@ class AsyncLLMEngine:
             is_delta=sampling_params.output_kind is RequestOutputKind.DELTA,
             num_samples=sampling_params.n,
         )
+        # in num_requests from here, before the first await: admission hands its slot over
+        # on that (Call._open)
         self._streams[request_id] = stream
         try:
             if isinstance(prompt, str):
@@ -427,8 +430,12 @@ class AsyncLLMEngine:
         """The engine is dead: every open stream is told, and nothing new is admitted."""
         if self._dead is not None:  # already dead (or shut down): its streams were told
             return
-        # the same words for every stream: the cause may hold one request's values
-        dead = EngineDeadError("the engine stopped on an internal error (see the server log)")
+        # the same words for every stream: a step's error may hold one request's values, so
+        # only a lost process is quoted
+        if isinstance(cause, EngineProcessLostError):
+            dead = EngineDeadError(f"the engine stopped: {cause}")
+        else:
+            dead = EngineDeadError("the engine stopped on an internal error (see the server log)")
         dead.__cause__ = cause
         self._dead = dead
         open_streams = {id(s): s for s in (*self._streams.values(), *self._core_streams.values())}

@@ -43,7 +43,12 @@ from asyncengine.engine.messages import (
     StepOutputs,
 )
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
-from asyncengine.errors import EngineDeadError, InvalidRequestError, RequestFailedError
+from asyncengine.errors import (
+    EngineDeadError,
+    EngineProcessLostError,
+    InvalidRequestError,
+    RequestFailedError,
+)
 from asyncengine.logging import get_logger, logging_settings
 from asyncengine.outputs import RequestOutput
 from asyncengine.processes import start_process
@@ -215,7 +220,9 @@ class MPClient:
 
     def check_health(self) -> None:
         if self._dead is None and not self._process.is_alive():
-            self._dead = RuntimeError(f"the engine process exited ({self._process.exitcode})")
+            self._dead = EngineProcessLostError(
+                f"the engine process exited ({self._process.exitcode})"
+            )
         if self._dead is not None:
             raise EngineDeadError("the engine process is gone") from self._dead
 
@@ -291,7 +298,7 @@ class MPClient:
     def _check_child(self) -> BaseException | None:
         if not self._process.is_alive():
             self._process.join(1)
-            return RuntimeError(f"the engine process exited ({self._process.exitcode})")
+            return EngineProcessLostError(f"the engine process exited ({self._process.exitcode})")
         silent_s = time.monotonic() - self._last_heard
         if silent_s <= self.heartbeat_timeout_s:
             return None
@@ -303,7 +310,7 @@ class MPClient:
             action="killing the engine process",
         )
         self._process.kill()  # stopped, frozen or starved: it will not recover on its own
-        return TimeoutError(
+        return EngineProcessLostError(
             f"the engine process sent no heartbeat for {silent_s:.1f} s "
             f"(heartbeat_timeout_s {self.heartbeat_timeout_s})"
         )

@@ -61,6 +61,15 @@ def grpc_options(options: ServeOptions) -> list[tuple[str, Any]]:
         ("grpc.http2.min_ping_interval_without_data_ms", ms(options.min_client_ping_interval)),
         # 0: pings arriving early are never counted against the client
         ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.max_connection_idle_ms", ms(options.max_connection_idle)),
+        ("grpc.server_handshake_timeout_ms", ms(options.handshake_timeout)),
+        # calls gRPC holds until the loop takes them: past its soft limit (default 1000) it
+        # cancels new ones at random, CANCELLED with no details, before any handler sees them
+        # (a burst of 2000 streams, or a flood of cancelled ones, lost others' calls this way).
+        # Equal limits make it one deterministic bound, far above admission's
+        ("grpc.server.max_pending_requests", options.max_pending_rpcs),
+        ("grpc.server.max_pending_requests_hard_limit", options.max_pending_rpcs),
+        ("grpc.max_concurrent_streams", options.max_concurrent_streams),
         # fail to start instead of silently sharing the port with another server
         ("grpc.so_reuseport", 0),
     ]

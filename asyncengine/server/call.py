@@ -126,6 +126,11 @@ class Call:
         num_entering = len(self.flights)
         try:
             for index, (flight, prompt) in enumerate(zip(self.flights, prompts)):
+                # the slot passes to the engine's count here: add_request takes the request
+                # into it before its first await, so no other call sees the slot counted
+                # twice (refused with "289 admitted; the limit is 288") or not at all
+                num_entering -= 1
+                state.entered()
                 try:
                     stream = await state.engine.add_request(
                         flight.engine_id,
@@ -142,9 +147,6 @@ class Call:
                     raise DuplicateRequestError(flight.request_id) from None
                 except InvalidRequestError as exc:
                     raise invalid(exc, index) from None
-                finally:
-                    num_entering -= 1
-                    state.entered()
                 self.streams.append(stream)
                 self._tallies.append(_Tally())
         finally:

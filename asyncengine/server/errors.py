@@ -92,9 +92,11 @@ def status_for(exc: BaseException, *, has_partial_output: bool = False) -> statu
         # this request's own failure, already logged with its cause; a retry would fail again
         return _status(code_pb2.INTERNAL, exc, _error_info("REQUEST_FAILED"))
     if isinstance(exc, EngineDeadError):
-        # nothing generated yet: a retry elsewhere is safe; after partial output it is not
-        code = code_pb2.INTERNAL if has_partial_output else code_pb2.UNAVAILABLE
-        return _status(code, exc, _error_info("ENGINE_DEAD"))
+        # transient for the caller: this replica is gone, another serves. Whether a retry
+        # repeats output already sent is the detail's, not a second status code
+        partial = "true" if has_partial_output else "false"
+        info = _error_info("ENGINE_DEAD", has_partial_output=partial)
+        return _status(code_pb2.UNAVAILABLE, f"the engine is dead: {exc}", info)
     logger.error("internal_error", error=repr(exc), exc_info=exc)
     # the cause stays in the log: it may hold values of other requests
     message = "internal error (see the server log)"

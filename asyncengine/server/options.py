@@ -43,6 +43,14 @@ class ServeOptions:
     metrics_port: int | None = None
     metrics_host: str | None = None
     max_connection_age: float | None = None
+    max_connection_idle: float = 600.0
+    handshake_timeout: float = 20.0
+    max_pending_rpcs: int = 16384
+    max_concurrent_streams: int = 2048
+    http_header_timeout: float = 10.0
+    http_body_timeout: float = 60.0
+    http_keep_alive_timeout: float = 30.0
+    http_max_connections: int = 4096
     http_port: int | None = None
     http_host: str | None = None
     chat_template: str | None = None
@@ -111,6 +119,50 @@ _FLAGS: dict[str, tuple[type, str]] = {
         "seconds after which a client connection is asked to close (HTTP/2 GOAWAY; calls in "
         "flight finish): clients then reconnect and re-resolve DNS, so balancing clients find "
         "replicas added by scale-out (default: never)",
+    ),
+    "max_connection_idle": (
+        float,
+        "seconds a gRPC connection may carry no call before the server closes it (HTTP/2 "
+        "GOAWAY; the client reconnects on its next call): peers that connect and fall silent "
+        "give their descriptors back",
+    ),
+    "handshake_timeout": (
+        float,
+        "seconds a new gRPC connection gets to finish its HTTP/2 (and TLS) handshake before "
+        "it is closed: a socket that connects and sends nothing holds nothing for long",
+    ),
+    "max_pending_rpcs": (
+        int,
+        "gRPC calls received but not yet taken by the server's loop (a burst, a flood of "
+        "cancelled calls); past it gRPC itself ends new calls CANCELLED. Far above the "
+        "admission limit, so a burst meets admission (RESOURCE_EXHAUSTED with a retry delay) "
+        "instead; gRPC's own default (random refusals from 1000) cancelled bursts",
+    ),
+    "max_concurrent_streams": (
+        int,
+        "calls one gRPC connection may have open at once (HTTP/2 SETTINGS); a client's "
+        "further calls wait on its side, so one connection (a flood of opened and cancelled "
+        "calls) cannot fill the server's queue; above the admission limit, so a gateway on "
+        "one connection still sees RESOURCE_EXHAUSTED",
+    ),
+    "http_header_timeout": (
+        float,
+        "seconds an HTTP request may take to send its request line and headers (from its "
+        "first byte, or from connecting) before the connection is closed: slowloris sockets",
+    ),
+    "http_body_timeout": (
+        float,
+        "seconds an HTTP request may take to send its whole body once its headers are in; "
+        "past it the connection is closed (its handler sees a disconnect)",
+    ),
+    "http_keep_alive_timeout": (
+        float,
+        "seconds an idle HTTP keep-alive connection stays open between requests",
+    ),
+    "http_max_connections": (
+        int,
+        "HTTP connections open at once; past it new connections are closed at once, so "
+        "idle sockets cannot exhaust the process's descriptors",
     ),
     "http_port": (
         int,
@@ -231,6 +283,11 @@ def check_options(options: ServeOptions) -> None:
         "stall_timeout",
         "drain_grace_period",
         "keepalive_time",
+        "max_connection_idle",
+        "handshake_timeout",
+        "http_header_timeout",
+        "http_body_timeout",
+        "http_keep_alive_timeout",
         "retry_after",
         "engine_heartbeat_timeout",
     ):
@@ -254,6 +311,9 @@ def check_options(options: ServeOptions) -> None:
         raise ValueError("--control-auth-token must differ from every --auth-token")
     if options.auth_metrics and not options.control_auth_tokens:
         raise ValueError("--auth-metrics needs --control-auth-token (the token /metrics takes)")
+    for name in ("max_pending_rpcs", "max_concurrent_streams", "http_max_connections"):
+        if getattr(options, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if options.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     if options.max_connection_age is not None and options.max_connection_age <= 0:

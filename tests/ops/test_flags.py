@@ -41,3 +41,15 @@ def test_log_level_is_accepted_before_and_after_the_subcommand() -> None:
     assert parser.parse_args(["serve", "--model", "m", "--log-level", "ERROR"]).log_level == "ERROR"
     assert parser.parse_args(["serve", "--model", "m"]).log_level is None
     assert parser.parse_args(["generate", "--model", "m", "x", "--log-level", "INFO"]).log_level
+
+
+def test_grpc_connection_and_backlog_limits_become_server_arguments() -> None:
+    args = dict(app.grpc_options(options()))
+    # gRPC-core's own backlog default (random cancels past 1000 calls) is replaced by one bound
+    assert args["grpc.server.max_pending_requests"] == ServeOptions.max_pending_rpcs
+    assert args["grpc.server.max_pending_requests_hard_limit"] == ServeOptions.max_pending_rpcs
+    assert args["grpc.max_concurrent_streams"] == ServeOptions.max_concurrent_streams
+    flags = ("--max-connection-idle", "45", "--handshake-timeout", "5")
+    args = dict(app.grpc_options(options(*flags)))
+    assert args["grpc.max_connection_idle_ms"] == 45_000
+    assert args["grpc.server_handshake_timeout_ms"] == 5_000

@@ -57,11 +57,13 @@ def test_engine_fault_turns_health_not_serving_and_exits_non_zero(server_pool: A
 
     head, queued_head, (running_error, queued_error), status = asyncio.run(main())
     assert events(head)[-1] == "delta" and events(queued_head) == ["accepted"]
-    # partial output, then the engine died: INTERNAL; nothing generated yet: UNAVAILABLE
-    assert running_error.code() == grpc.StatusCode.INTERNAL
-    assert queued_error.code() == grpc.StatusCode.UNAVAILABLE
-    for error in (running_error, queued_error):
-        assert detail(error, error_details_pb2.ErrorInfo).reason == "ENGINE_DEAD"
+    # UNAVAILABLE either way (what retry-aware clients treat as transient); the detail says
+    # whether output was already sent
+    for error, partial in ((running_error, "true"), (queued_error, "false")):
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        info = detail(error, error_details_pb2.ErrorInfo)
+        assert info.reason == "ENGINE_DEAD" and info.metadata["has_partial_output"] == partial
+        assert (error.details() or "").startswith("the engine is dead: the engine stopped")
         # the same words for every stream: the cause (which may hold a request's values) is
         # in the server's log only
         assert "injected fault" not in (error.details() or "")
@@ -165,7 +167,9 @@ def test_a_frozen_engine_process_turns_health_not_serving_and_exits_non_zero(
         errors, status, detected_s = asyncio.run(main())
         assert 2.0 <= detected_s < 10.0
         for error in errors:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
             assert detail(error, error_details_pb2.ErrorInfo).reason == "ENGINE_DEAD"
+            assert "sent no heartbeat" in (error.details() or "")  # the reason, said
         assert status == NOT_SERVING
         assert server.proc.wait(timeout=30) != 0
         # JSON lines only: under load grpc's Cython prints a cancelled RPC's traceback to stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import socket
 import ssl
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from typing import Any
 import uvicorn
 
 from asyncengine.server.http.api import build_app
+from asyncengine.server.http.connection import limited_protocol
 from asyncengine.server.options import ServeOptions
 from asyncengine.server.state import ServerState
 
@@ -38,6 +40,8 @@ class HttpServer:
             access_log=False,  # one request_finished line per request is logged instead
             ws="none",
             server_header=False,
+            http=limited_protocol(options),  # header and body read deadlines, a connection cap
+            timeout_keep_alive=math.ceil(options.http_keep_alive_timeout),
             # in-flight streams get the drain's grace; this only bounds what is left after it
             timeout_graceful_shutdown=5,
             **_tls(options),
