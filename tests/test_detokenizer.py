@@ -16,6 +16,7 @@ from asyncengine.engine.detokenizer import (
     StreamDetokenizer,
     make_decode,
     make_detokenizer,
+    make_vocab,
 )
 from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.worker.fake_runner import FakeModelRunner
@@ -35,9 +36,14 @@ def tokenizer(model_dir):
 def detokenizers(tokenizer) -> dict[str, NewDetokenizer]:
     decode = make_decode(tokenizer)
     backend = tokenizer.backend_tokenizer
+    vocab = make_vocab(tokenizer, decode)
     return {
-        "two decodes": lambda prompt, skip: IncrementalDetokenizer(decode, prompt, skip),
-        "DecodeStream": lambda prompt, skip: StreamDetokenizer(backend, decode, prompt, skip),
+        "two decodes": lambda prompt, skip: IncrementalDetokenizer(
+            decode, vocab, len(prompt), skip
+        ),
+        "DecodeStream": lambda prompt, skip: StreamDetokenizer(
+            backend, decode, vocab, len(prompt), skip
+        ),
     }
 
 
