@@ -78,6 +78,19 @@ def test_a_sequence_cut_inside_a_character_ends_as_a_full_decode_shows_it(tokeni
     assert text == tokenizer.decode(output[:cut])
 
 
+@pytest.mark.parametrize("kind", ["two decodes", "DecodeStream"])
+def test_a_prompt_ending_inside_a_character_leaks_nothing_into_the_output(tokenizer, kind) -> None:
+    flower = tokenizer.encode("x 🌸", add_special_tokens=False)
+    assert tokenizer.decode(flower[:-1]).endswith("\ufffd")  # the emoji spans tokens
+    prompt, output = flower[:-1], flower[-1:] + tokenizer.encode(" ok", add_special_tokens=False)
+    detok = detokenizers(tokenizer)[kind](prompt, True)
+    text = "".join(
+        detok.decode_next(prompt + output[:i], is_final=i == len(output))
+        for i in range(1, len(output) + 1)
+    )
+    assert text == tokenizer.decode(output) and text.endswith("\ufffd ok")
+
+
 def scripted_engine(model_dir, tokenizer, text: str) -> AsyncLLMEngine:
     """An engine whose 'model' emits the tokens of `text`, then eos."""
     tokens = tokenizer.encode(text, add_special_tokens=False)
