@@ -17,7 +17,8 @@ from asyncengine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
-from asyncengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from asyncengine.inputs import PromptType, TextPrompt, TokensPrompt
+from asyncengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,9 +54,13 @@ __all__ = [
     "EngineStats",
     "InvalidRequestError",
     "LLMEngine",
+    "Logprob",
+    "PromptType",
     "RequestFailedError",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 __version__ = "0.1.0"

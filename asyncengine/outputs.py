@@ -4,12 +4,42 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from asyncengine.core.request import FinishReason
 
-__all__ = ["CompletionOutput", "FinishReason", "Logprobs", "RequestMetrics", "RequestOutput"]
+__all__ = [
+    "CompletionOutput",
+    "FinishReason",
+    "Logprob",
+    "Logprobs",
+    "RawLogprobs",
+    "RequestMetrics",
+    "RequestOutput",
+]
 
-# token id -> logprob for the sampled token and the top-n alternatives at one position
-Logprobs = dict[int, float]
+
+class Logprob(msgspec.Struct, array_like=True):
+    """One token's score at one position (vLLM's `Logprob`): its log probability, its rank
+    among the vocabulary (1 is the likeliest), and its own text (the token decoded alone)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class RawLogprobs:
+    """One position's scores as the sampler makes them: the sampled (or prompt) token's rank
+    among the vocabulary, and token id -> logprob for it and the top-n alternatives."""
+
+    token_id: int
+    rank: int
+    logprobs: dict[int, float]
+
+
+# the same as outputs carry them (vLLM's `SampleLogprobs` / `PromptLogprobs` entries)
+Logprobs = dict[int, Logprob]
 
 
 @dataclass(slots=True)
@@ -24,6 +54,8 @@ class CompletionOutput:
     finish: FinishReason | None = None  # why the sample ended; None while it runs
     # the stop string or stop token id that ended the sample (None for eos or length)
     stop_reason: str | int | None = None
+    # the sum of the sampled tokens' logprobs so far, when `SamplingParams.logprobs` is set
+    cumulative_logprob: float | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -41,6 +73,7 @@ class CompletionOutput:
         if later.logprobs is not None:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.finish, self.stop_reason = later.finish, later.stop_reason
+        self.cumulative_logprob = later.cumulative_logprob
 
 
 @dataclass(slots=True)

@@ -276,3 +276,7 @@ def _schema_text(schema: object) -> str:
         isinstance(parsed, dict), name, "must be a JSON object (a schema)", type(parsed).__name__
     )
     return schema
+
+
+# vLLM's name for the same class before it was renamed (`vllm.sampling_params.GuidedDecodingParams`)
+GuidedDecodingParams = StructuredOutputsParams

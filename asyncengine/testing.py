@@ -189,6 +189,12 @@ def train_bpe_tokenizer(
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(default_corpus() if corpus is None else corpus), trainer)
+    return _save_tokenizer(tokenizer, out_dir, vocab_size, chat_template)
+
+
+def _save_tokenizer(
+    tokenizer: Tokenizer, out_dir: str | Path, vocab_size: int, chat_template: str | None
+) -> PreTrainedTokenizerFast:
     # Plain (not special) tokens, so that benchmark output made of them still detokenizes to text.
     num_unused = vocab_size - tokenizer.get_vocab_size()
     tokenizer.add_tokens([AddedToken(f"<unused_{i}>") for i in range(num_unused)])
@@ -219,6 +225,45 @@ def train_bpe_tokenizer(
     return hf_tokenizer
 
 
+def train_sentencepiece_tokenizer(
+    out_dir: str | Path, vocab_size: int = 512, corpus: Iterable[str] | None = None
+) -> PreTrainedTokenizerFast:
+    """Train a SentencePiece-style BPE tokenizer (Llama-2's as transformers converts it: "▁"
+    for spaces, byte-fallback tokens `<0x00>`..`<0xFF>`, a decoder that strips the text's
+    leading space, bos added on encode) and save it; special ids as `train_bpe_tokenizer`'s.
+    """
+    num_fixed = len(_SPECIAL_TOKENS) + 256
+    if vocab_size <= num_fixed:
+        raise ValueError(f"vocab_size must exceed 3 special and 256 byte tokens, got {vocab_size}")
+    metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    trained = Tokenizer(models.BPE())
+    trained.pre_tokenizer = metaspace
+    # few characters of their own: the rest (most Korean, emoji) fall back to bytes
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - num_fixed, limit_alphabet=64, show_progress=False
+    )
+    trained.train_from_iterator(list(default_corpus() if corpus is None else corpus), trainer)
+    model_json = json.loads(trained.to_str())["model"]
+    pieces = sorted(model_json["vocab"], key=model_json["vocab"].get)
+    fixed = _SPECIAL_TOKENS + [f"<0x{b:02X}>" for b in range(256)]
+    vocab = {piece: i for i, piece in enumerate(fixed + pieces)}
+    # tokenizers writes each merge as a pair (an "a b" string in older releases)
+    pairs = [m.split(" ") if isinstance(m, str) else m for m in model_json["merges"]]
+    merges = [(str(left), str(right)) for left, right in pairs]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
+    tokenizer.pre_tokenizer = metaspace
+    tokenizer.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer.add_special_tokens(_SPECIAL_TOKENS)
+    return _save_tokenizer(tokenizer, out_dir, vocab_size, chat_template=None)
+
+
 def make_random_model(
     out_dir: str | Path,
     family: str = "llama",
@@ -227,10 +272,11 @@ def make_random_model(
     dtype: str = "float32",
     vocab_size: int = 512,
     chat_template: str | None = None,
+    tokenizer_kind: str = "byte_level",
     **config_overrides: Any,
 ) -> Path:
     """Write a small random-weight `*ForCausalLM` of `family` plus its tokenizer (with
-    `chat_template`, if given) to `out_dir`.
+    `chat_template`, if given; `tokenizer_kind` "byte_level" or "sentencepiece") to `out_dir`.
 
     Defaults: hidden 64, 2 layers, 4 query heads over 2 KV heads (GQA). llama uses Llama-3 rope
     scaling (from an original context of 256, so it changes outputs at test lengths); qwen2 has
@@ -241,7 +287,14 @@ def make_random_model(
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_bpe_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
+    if tokenizer_kind == "sentencepiece":
+        tokenizer = train_sentencepiece_tokenizer(out, vocab_size=vocab_size)
+    elif tokenizer_kind == "byte_level":
+        tokenizer = train_bpe_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template)
+    else:
+        raise ValueError(
+            f"tokenizer_kind must be byte_level or sentencepiece, got {tokenizer_kind!r}"
+        )
     special_ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,

@@ -16,6 +16,7 @@ from asyncengine.engine.detokenizer import (
     StreamDetokenizer,
     make_decode,
     make_detokenizer,
+    make_vocab,
 )
 from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.worker.fake_runner import FakeModelRunner
@@ -35,9 +36,14 @@ def tokenizer(model_dir):
 def detokenizers(tokenizer) -> dict[str, NewDetokenizer]:
     decode = make_decode(tokenizer)
     backend = tokenizer.backend_tokenizer
+    vocab = make_vocab(tokenizer, decode)
     return {
-        "two decodes": lambda prompt, skip: IncrementalDetokenizer(decode, prompt, skip),
-        "DecodeStream": lambda prompt, skip: StreamDetokenizer(backend, decode, prompt, skip),
+        "two decodes": lambda prompt, skip: IncrementalDetokenizer(
+            decode, vocab, len(prompt), skip
+        ),
+        "DecodeStream": lambda prompt, skip: StreamDetokenizer(
+            backend, decode, vocab, len(prompt), skip
+        ),
     }
 
 
@@ -70,6 +76,19 @@ def test_a_sequence_cut_inside_a_character_ends_as_a_full_decode_shows_it(tokeni
         detok.decode_next(prompt + output[:i], is_final=i == cut) for i in range(1, cut + 1)
     )
     assert text == tokenizer.decode(output[:cut])
+
+
+@pytest.mark.parametrize("kind", ["two decodes", "DecodeStream"])
+def test_a_prompt_ending_inside_a_character_leaks_nothing_into_the_output(tokenizer, kind) -> None:
+    flower = tokenizer.encode("x 🌸", add_special_tokens=False)
+    assert tokenizer.decode(flower[:-1]).endswith("\ufffd")  # the emoji spans tokens
+    prompt, output = flower[:-1], flower[-1:] + tokenizer.encode(" ok", add_special_tokens=False)
+    detok = detokenizers(tokenizer)[kind](prompt, True)
+    text = "".join(
+        detok.decode_next(prompt + output[:i], is_final=i == len(output))
+        for i in range(1, len(output) + 1)
+    )
+    assert text == tokenizer.decode(output) and text.endswith("\ufffd ok")
 
 
 def scripted_engine(model_dir, tokenizer, text: str) -> AsyncLLMEngine:

@@ -163,9 +163,10 @@ def test_logprobs_hold_the_sampled_token_and_top_n(llm: LLM) -> None:
     assert out.logprobs is not None and len(out.logprobs) == 5
     for token_id, entry in zip(out.token_ids, out.logprobs):
         assert token_id in entry
-        assert entry[token_id] == max(entry.values())  # greedy picks the most likely
+        assert entry[token_id].logprob == max(lp.logprob for lp in entry.values())  # greedy
+        assert entry[token_id].rank == 1
         assert 3 <= len(entry) <= 4
-        assert all(lp <= 0.0 for lp in entry.values())
+        assert all(lp.logprob <= 0.0 for lp in entry.values())
 
 
 def test_prompt_longer_than_max_model_len_fails_alone(model_dir) -> None:

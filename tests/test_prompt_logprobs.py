@@ -43,10 +43,10 @@ def check(out: RequestOutput, hf: torch.Tensor) -> None:
     for position, (token_id, entry) in enumerate(zip(ids[1:], scored[1:])):
         assert entry is not None
         row = hf[position]
-        assert math.isclose(entry[token_id], float(row[token_id]), abs_tol=1e-4)
+        assert math.isclose(entry[token_id].logprob, float(row[token_id]), abs_tol=1e-4)
         top = torch.topk(row, TOP)
         for top_id, top_lp in zip(top.indices.tolist(), top.values.tolist()):
-            assert math.isclose(entry[top_id], top_lp, abs_tol=1e-4)
+            assert math.isclose(entry[top_id].logprob, top_lp, abs_tol=1e-4)
         assert len(entry) in (TOP, TOP + 1)  # the prompt token, when not among the top
 
 

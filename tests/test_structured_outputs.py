@@ -204,7 +204,7 @@ def test_min_tokens_stop_strings_grammar_and_logprobs(model_dir) -> None:
         assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3}){0,3}\)", sample.text), sample.text
         assert sample.logprobs is not None and len(sample.logprobs) == len(sample.token_ids)
         for entry in sample.logprobs:
-            assert all(lp > -float("inf") for lp in entry.values())
+            assert all(lp.logprob > -float("inf") for lp in entry.values())
             pieces = [tokenizer.decode([t]) for t in entry if t != tokenizer.eos_token_id]
             assert all(re.fullmatch(r"[(),0-9]+", p) for p in pieces), pieces
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
-from asyncengine.config import EngineArgs, EngineConfig
+from asyncengine.config import EngineArgs, EngineConfig, ModelConfig
 from asyncengine.core.request import FinishReason
 from asyncengine.engine.core_client import EngineCoreClient, EngineFront, InprocClient
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
@@ -23,6 +23,7 @@ from asyncengine.errors import (
     InvalidRequestError,
     RequestFailedError,
 )
+from asyncengine.inputs import PromptType, parse_prompt
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -113,6 +114,14 @@ class AsyncLLMEngine:
     def config(self) -> EngineConfig:
         return self._front.config
 
+    async def get_model_config(self) -> ModelConfig:
+        """The model's config (vLLM's `EngineClient.get_model_config`)."""
+        return self.config.model_config
+
+    def is_tracing_enabled(self) -> bool:
+        """False: this engine exports no OpenTelemetry traces (vLLM's `is_tracing_enabled`)."""
+        return False
+
     @property
     def vocab_size(self) -> int:
         return self._front.vocab_size
@@ -191,7 +200,7 @@ class AsyncLLMEngine:
     async def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: PromptType,
         sampling_params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -199,6 +208,8 @@ class AsyncLLMEngine:
         strict_max_tokens: bool = False,
     ) -> RequestStream:
         """Validate, tokenize (off the loop) and queue a request; returns its output stream.
+
+        `prompt` is text, token ids, or vLLM's `TextPrompt` / `TokensPrompt` dict.
 
         Bad input raises `InvalidRequestError` naming the field before anything is queued; an
         id in flight raises `DuplicateRequestError`. `tenant` keeps the caller's prefix cache
@@ -210,8 +221,10 @@ class AsyncLLMEngine:
         self._start()
         if request_id in self._streams:
             raise DuplicateRequestError(request_id)
+        parsed = parse_prompt(prompt, cache_salt)
+        text_or_ids, cache_salt = parsed.prompt, parsed.cache_salt
         validator = self._front.validator
-        validator.check_inputs(request_id, prompt, sampling_params, cache_salt)
+        validator.check_inputs(request_id, text_or_ids, sampling_params, cache_salt)
         stream = RequestStream(
             request_id,
             is_delta=sampling_params.output_kind is RequestOutputKind.DELTA,
@@ -221,15 +234,15 @@ class AsyncLLMEngine:
         # on that (Call._open)
         self._streams[request_id] = stream
         try:
-            if isinstance(prompt, str):
-                token_ids = await self._off_loop(self._front.tokenize, prompt)
+            if isinstance(text_or_ids, str):
+                token_ids = await self._off_loop(self._front.tokenize, text_or_ids)
             else:
-                token_ids = list(prompt)
+                token_ids = list(text_or_ids)
             if self._streams.get(request_id) is not stream:  # aborted while tokenizing
-                return self._aborted(stream, prompt, token_ids)
+                return self._aborted(stream, text_or_ids, token_ids)
             validated = validator.check_tokens(
                 request_id,
-                prompt,
+                text_or_ids,
                 token_ids,
                 sampling_params,
                 priority,
@@ -238,6 +251,8 @@ class AsyncLLMEngine:
                 strict_max_tokens,
             )
             stream.prompt, stream.prompt_token_ids = validated.prompt, validated.prompt_token_ids
+            if parsed.text is not None:
+                stream.prompt = parsed.text
             self.check_health()
             # the core needs no prompt text: the stream has it, and puts it on each output
             core_id = self._new_core_id(request_id)
@@ -256,7 +271,7 @@ class AsyncLLMEngine:
                     self._core_streams.pop(stream.core_id, None)
             raise
         if queued is None:  # aborted while its grammar compiled: its final is there
-            return self._aborted(stream, prompt, token_ids)
+            return self._aborted(stream, text_or_ids, token_ids)
         if queued.constraint_kind is not None and self.observer is not None:
             self.observer.on_structured_request(queued.constraint_kind, queued.compile_s)
         return stream
@@ -270,7 +285,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: PromptType,
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,

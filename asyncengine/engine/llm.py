@@ -6,11 +6,12 @@ import itertools
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.errors import InvalidRequestError
+from asyncengine.inputs import ParsedPrompt, PromptType, TokensPrompt, parse_prompt
 from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
@@ -36,39 +37,48 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        prompt_token_ids: list[int] | Sequence[list[int]] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A prompt that cannot run (too long, bad token ids) gets an output with `error` set
-        and finish_reason "error"; the others are unaffected.
+        A prompt is text, token ids, or vLLM's `TextPrompt` / `TokensPrompt` dict; one, or a
+        list of any mix. vLLM's older `prompt_token_ids=` keyword gives the ids apart (with
+        `prompts`, the texts shown for them). A malformed prompt dict raises
+        `InvalidRequestError` before anything runs; a prompt that cannot run (too long, bad
+        token ids) gets an output with `error` set and finish_reason "error", the others are
+        unaffected.
         """
-        is_single = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
-        prompt_list: list[Prompt] = (
-            [cast(Prompt, prompts)] if is_single else list(cast(Sequence[Prompt], prompts))
-        )
+        parsed = _parse_prompts(prompts, prompt_token_ids)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
-            params_list = [params] * len(prompt_list)
+            params_list = [params] * len(parsed)
         else:
             params_list = list(params)
-            if len(params_list) != len(prompt_list):
+            if len(params_list) != len(parsed):
                 raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompt_list)} prompts"
+                    f"sampling_params has {len(params_list)} entries for {len(parsed)} prompts"
                 )
         results: dict[str, RequestOutput] = {}
         ids = []
-        for prompt, p in zip(prompt_list, params_list):
+        for prompt, p in zip(parsed, params_list):
             request_id = str(next(self._counter))
             ids.append(request_id)
             try:
-                self.llm_engine.add_request(request_id, prompt, p)
+                self.llm_engine.add_request(
+                    request_id, prompt.prompt, p, cache_salt=prompt.cache_salt
+                )
             except InvalidRequestError as exc:
-                results[request_id] = _failed(request_id, prompt, str(exc))
+                results[request_id] = _failed(request_id, prompt.prompt, str(exc))
         self._run(results, show_progress=use_tqdm and sys.stderr.isatty(), total=len(ids))
-        return [results[i] for i in ids]
+        outputs = [results[i] for i in ids]
+        for output, prompt in zip(outputs, parsed):
+            if prompt.text is not None:
+                output.prompt = prompt.text
+        return outputs
 
     def _run(self, results: dict[str, RequestOutput], show_progress: bool, total: int) -> None:
         progress = None
@@ -141,6 +151,32 @@ class LLM:
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
+
+
+def _as_list(prompts: Any) -> list[Any]:
+    """One prompt (text, ids or a dict) as a list of one; a list of prompts as it is."""
+    is_single = isinstance(prompts, str | Mapping) or bool(prompts and isinstance(prompts[0], int))
+    return [prompts] if is_single else list(prompts)
+
+
+def _parse_prompts(
+    prompts: PromptType | Sequence[PromptType] | None,
+    prompt_token_ids: list[int] | Sequence[list[int]] | None,
+) -> list[ParsedPrompt]:
+    if prompt_token_ids is None:
+        if prompts is None:
+            raise ValueError("generate() needs prompts or prompt_token_ids")
+        return [parse_prompt(p) for p in _as_list(prompts)]
+    ids_list = _as_list(prompt_token_ids)
+    if prompts is None:
+        return [parse_prompt(list(ids)) for ids in ids_list]
+    texts = _as_list(prompts)
+    if len(texts) != len(ids_list):
+        raise ValueError(f"{len(texts)} prompts for {len(ids_list)} prompt_token_ids")
+    return [
+        parse_prompt(TokensPrompt(prompt_token_ids=list(ids), prompt=text))
+        for text, ids in zip(texts, ids_list)
+    ]
 
 
 def _failed(request_id: str, prompt: Prompt, error: str) -> RequestOutput:

@@ -14,9 +14,9 @@ from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.block_manager import BlockSpaceManager
 from asyncengine.core.request import FinishReason, Request, RequestStatus, new_request_id
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
-from asyncengine.engine.detokenizer import make_detokenizer
+from asyncengine.engine.detokenizer import make_decode, make_detokenizer
 from asyncengine.engine.grammar_compiles import GrammarCompiles
-from asyncengine.engine.output_processor import RequestState
+from asyncengine.engine.output_processor import RequestState, TokenTexts
 from asyncengine.engine.structured_output import CompiledConstraint, StructuredOutputManager
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.errors import DuplicateRequestError
@@ -100,6 +100,7 @@ class LLMEngine:
         model_config = config.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(model_config.tokenizer)
         self._new_detokenizer = make_detokenizer(self.tokenizer)
+        self._token_texts = TokenTexts(make_decode(self.tokenizer))
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model_config.hf_config)
         self.vocab_size = int(model_config.hf_config.vocab_size)
         for warning in kv_sizing.practice_warnings(config):
@@ -193,7 +194,9 @@ class LLMEngine:
         if constraint is not None:
             self.structured.add(req.group_id, constraint)
         self.scheduler.add_request(req)
-        state = RequestState(validated.request_id, req, validated.prompt, self._new_detokenizer)
+        state = RequestState(
+            validated.request_id, req, validated.prompt, self._new_detokenizer, self._token_texts
+        )
         self._states[validated.request_id] = state
         self._groups[req.group_id] = state
 

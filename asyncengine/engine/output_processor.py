@@ -7,11 +7,42 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncengine.core.request import FinishReason, Request
-from asyncengine.engine.detokenizer import Detokenizer, NewDetokenizer
-from asyncengine.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput
+from asyncengine.engine.detokenizer import Decode, Detokenizer, NewDetokenizer
+from asyncengine.outputs import (
+    CompletionOutput,
+    Logprob,
+    Logprobs,
+    RawLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from asyncengine.sampling_params import RequestOutputKind
 
 FinishRequest = Callable[[Request, FinishReason], None]
+
+
+class TokenTexts:
+    """Scores as outputs carry them: `Logprob`s with each token's rank and own text (vLLM's
+    `decoded_token`, the decode of that token alone), each text decoded once per engine."""
+
+    def __init__(self, decode: Decode) -> None:
+        self._decode = decode
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id], False)
+        return text
+
+    def logprobs(self, raw: RawLogprobs) -> Logprobs:
+        """The sampler's entry: the top n ranked by their order, likeliest first, and the
+        sampled (or prompt) token by its rank among the vocabulary, whether in the top n or
+        not (as vLLM ranks them)."""
+        ordered = sorted(raw.logprobs.items(), key=lambda kv: kv[1], reverse=True)
+        entry = {t: Logprob(lp, i + 1, self.text(t)) for i, (t, lp) in enumerate(ordered)}
+        entry[raw.token_id].rank = raw.rank
+        return entry
 
 
 @dataclass
@@ -20,6 +51,7 @@ class _Sample:
     detokenizer: Detokenizer
     text: str = ""
     logprobs: list[Logprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are asked for
     # what DELTA outputs have carried so far
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
@@ -34,11 +66,17 @@ class RequestState:
     """
 
     def __init__(
-        self, request_id: str, req: Request, prompt: str | None, new_detokenizer: NewDetokenizer
+        self,
+        request_id: str,
+        req: Request,
+        prompt: str | None,
+        new_detokenizer: NewDetokenizer,
+        token_texts: TokenTexts,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.new_detokenizer = new_detokenizer
+        self.token_texts = token_texts
         self.parent = req
         self.samples: dict[int, _Sample] = {}
         self.is_ended = False  # aborted or failed: over, whichever samples exist by then
@@ -70,14 +108,15 @@ class RequestState:
             return self.samples[0].req.is_finished
         return all(sample.req.is_finished for sample in self.samples.values())
 
-    def on_token(self, req: Request, logprobs: Logprobs | None, finish: FinishRequest) -> None:
+    def on_token(self, req: Request, logprobs: RawLogprobs | None, finish: FinishRequest) -> None:
         """Take a sample's new token: detokenize it and end the sample on a stop string."""
         sample = self.samples.get(req.sample_index)
         if sample is None:  # a forked sample's first token
             self.add_sample(req)
             sample = self.samples[req.sample_index]
         if logprobs is not None:
-            sample.logprobs.append(logprobs)
+            sample.logprobs.append(self.token_texts.logprobs(logprobs))
+            sample.cumulative_logprob += logprobs.logprobs[logprobs.token_id]
         delta = sample.detokenizer.decode_next(req.token_ids, req.is_finished)
         if delta:
             sample.text += delta
@@ -98,12 +137,13 @@ class RequestState:
         else:
             finish(req, FinishReason.STOP_STRING)
 
-    def on_prompt_logprobs(self, first_index: int, entries: list[Logprobs]) -> None:
+    def on_prompt_logprobs(self, first_index: int, entries: list[RawLogprobs]) -> None:
         """Scores of prompt tokens from `first_index` on; a recomputed prefill scores again
         what it scored before, and only what is new is kept."""
         scored = self.prompt_logprobs
         if scored is not None and first_index <= len(scored):
-            scored += entries[len(scored) - first_index :]
+            new = entries[len(scored) - first_index :]
+            scored += [self.token_texts.logprobs(entry) for entry in new]
 
     def _prompt_logprobs_to_send(self, is_delta: bool) -> list[Logprobs | None] | None:
         scored = self.prompt_logprobs
@@ -174,6 +214,7 @@ def _completion(sample: _Sample, is_delta: bool) -> CompletionOutput:
         hold = max(len(s) for s in params.stop) - 1
         text = text[: max(0, len(text) - hold)]
     logprobs = None
+    cumulative_logprob = None if params.logprobs is None else sample.cumulative_logprob
     if is_delta:
         # what is visible only grows: a stop string is found before its start is shown
         start_char, start_token = sample.num_sent_chars, sample.num_sent_tokens
@@ -194,4 +235,5 @@ def _completion(sample: _Sample, is_delta: bool) -> CompletionOutput:
         logprobs=logprobs,
         finish=req.finish_reason,
         stop_reason=req.stop_reason,
+        cumulative_logprob=cumulative_logprob,
     )

@@ -207,7 +207,9 @@ def logprobs(
     """One TokenLogprobs per position: the sampled token's logprob and the top `num_top`."""
     result = []
     for token_id, entry in zip(token_ids, entries):
-        ranked = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+        ranked = sorted(
+            ((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: kv[1], reverse=True
+        )[:num_top]
         ids = [token_id] + [t for t, _ in ranked]
         names = tokenizer.convert_ids_to_tokens(ids)
         top = [
@@ -215,7 +217,9 @@ def logprobs(
             for (t, lp), name in zip(ranked, names[1:])
         ]
         sampled = generation_pb2.TokenLogprob(
-            token_id=token_id, logprob=entry.get(token_id, float("nan")), token=names[0]
+            token_id=token_id,
+            logprob=entry[token_id].logprob if token_id in entry else float("nan"),
+            token=names[0],
         )
         result.append(generation_pb2.TokenLogprobs(sampled=sampled, top=top))
     return result

@@ -13,7 +13,7 @@ from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.distributed.parallel_state import TensorParallelGroup
 from asyncengine.logging import get_logger
 from asyncengine.models.loader import get_model
-from asyncengine.outputs import Logprobs
+from asyncengine.outputs import RawLogprobs
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
 from asyncengine.worker.attention import set_attention_backend
@@ -33,11 +33,11 @@ class ModelRunnerOutput:
     """The token sampled for each request that reached the end of its tokens this step."""
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    logprobs: dict[str, RawLogprobs] = field(default_factory=dict)
     # request id -> what failed in that request's own sampling (it gets no token)
     failures: dict[str, str] = field(default_factory=dict)
     # request id -> (index of the first prompt token scored, one entry per token from there)
-    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -288,13 +288,15 @@ class ModelRunner:
         }
         return output
 
-    def _score_prompt(self, hidden: torch.Tensor, rows: _PromptRows) -> tuple[int, list[Logprobs]]:
+    def _score_prompt(
+        self, hidden: torch.Tensor, rows: _PromptRows
+    ) -> tuple[int, list[RawLogprobs]]:
         """Prompt logprobs of the tokens after `rows`' positions, a chunk of rows at a time."""
         req, num_top = rows.req, rows.req.sampling_params.prompt_logprobs
         assert num_top is not None
         first_target = rows.first_position + 1
         targets = req.token_ids[first_target : first_target + rows.num_rows]
-        entries: list[Logprobs] = []
+        entries: list[RawLogprobs] = []
         for start in range(0, rows.num_rows, _PROMPT_LOGITS_CHUNK):
             stop = min(start + _PROMPT_LOGITS_CHUNK, rows.num_rows)
             logits = self.model.compute_logits(

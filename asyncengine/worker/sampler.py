@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncengine.core.request import Request
-from asyncengine.outputs import Logprobs
+from asyncengine.outputs import RawLogprobs
 
 _SEED_STRIDE = 1_000_003
 
@@ -17,7 +17,7 @@ _SEED_STRIDE = 1_000_003
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[Logprobs | None]
+    logprobs: list[RawLogprobs | None]
     # row -> the error that row's own processing raised (its token is not to be used)
     failures: dict[int, BaseException] = field(default_factory=dict)
 
@@ -104,35 +104,42 @@ class Sampler:
     @staticmethod
     def _logprobs(
         logprobs: torch.Tensor | None, token_ids: list[int], reqs: list[Request]
-    ) -> list[Logprobs | None]:
+    ) -> list[RawLogprobs | None]:
         if logprobs is None:
             return [None] * len(reqs)
-        result: list[Logprobs | None] = []
+        result: list[RawLogprobs | None] = []
         for row, token_id, req in zip(logprobs, token_ids, reqs):
             num_top = req.sampling_params.logprobs
             if num_top is None:
                 result.append(None)
                 continue
-            entry = {token_id: float(row[token_id])}
+            chosen = row[token_id]
+            entry = {token_id: float(chosen)}
             if num_top:
                 top = torch.topk(row, num_top)
                 # a grammar's forbidden tokens (-inf) are no alternatives
                 pairs = zip(top.indices.tolist(), top.values.tolist())
                 entry.update((t, v) for t, v in pairs if v != -math.inf)
-            result.append(entry)
+            result.append(RawLogprobs(token_id, int((row > chosen).sum()) + 1, entry))
         return result
 
 
-def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list[Logprobs]:
+def prompt_logprobs(
+    logits: torch.Tensor, target_ids: torch.Tensor, num_top: int
+) -> list[RawLogprobs]:
     """Row i scores `target_ids[i]` (the prompt token after row i's position): its logprob and
     the top `num_top`, from the raw logits (no penalties: the prompt was not sampled)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, target_ids.unsqueeze(1)).squeeze(1).tolist()
-    entries: list[Logprobs] = [{t: lp} for t, lp in zip(target_ids.tolist(), chosen)]
+    chosen = logprobs.gather(1, target_ids.unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    entries = [
+        RawLogprobs(t, rank, {t: lp})
+        for t, rank, lp in zip(target_ids.tolist(), ranks, chosen.squeeze(1).tolist())
+    ]
     if num_top:
         top = torch.topk(logprobs, num_top, dim=-1)
         for entry, ids, values in zip(entries, top.indices.tolist(), top.values.tolist()):
-            entry.update(zip(ids, values))
+            entry.logprobs.update(zip(ids, values))
     return entries
 
 

@@ -209,7 +209,8 @@ def clamp(logprob: float) -> float:
 
 def ranked(entry: Logprobs, num_top: int) -> list[tuple[int, float]]:
     """The `num_top` most likely (token id, logprob) pairs of one position's entry."""
-    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+    pairs = [(t, lp.logprob) for t, lp in entry.items()]
+    return sorted(pairs, key=lambda kv: kv[1], reverse=True)[:num_top]
 
 
 async def completion_logprobs(
@@ -232,11 +233,11 @@ async def completion_logprobs(
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
-        out.token_logprobs.append(clamp(entry[token_id]))
+        out.token_logprobs.append(clamp(entry[token_id].logprob))
         # the position's top k with the token itself, as vLLM returns them (k or k + 1)
         top = ranked(entry, num_top)
         if all(t != token_id for t, _ in top):
-            top.append((token_id, entry[token_id]))
+            top.append((token_id, entry[token_id].logprob))
         by_text: dict[str, float] = {}
         for t, lp in top:  # tokens of one text (partial characters): the likeliest stands
             by_text.setdefault(texts.text(t), clamp(lp))
@@ -261,7 +262,7 @@ async def chat_logprobs(
         content.append(
             protocol.TokenLogprob(
                 token=token,
-                logprob=clamp(entry[token_id]),
+                logprob=clamp(entry[token_id].logprob),
                 bytes=list(token.encode()),
                 top_logprobs=top,
             )
