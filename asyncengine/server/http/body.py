@@ -133,12 +133,11 @@ class _Batch(list[msgspec.Raw]):
 
 
 def _decode_field(name: str, raw: msgspec.Raw, bounds: BodyBounds) -> Any:
-    if name == "prompt" and _is_batch(bytes(raw)):
+    view = memoryview(raw)  # a view: the field is not copied to be measured
+    if name == "prompt" and _is_batch(view[:64]):
+        _check_num_prompts(view, bounds.max_prompts)
         prompts = _Batch(_decode_text(name, raw, list[msgspec.Raw]))
-        if len(prompts) > bounds.max_prompts:
-            raise InvalidParamError(
-                name, f"holds {len(prompts)} prompts; at most {bounds.max_prompts} are admitted"
-            )
+        _check_num_prompts(prompts, bounds.max_prompts)
         for index, prompt in enumerate(prompts):
             if len(prompt) > bounds.max_prompt_bytes:
                 raise InvalidParamError(
@@ -150,9 +149,23 @@ def _decode_field(name: str, raw: msgspec.Raw, bounds: BodyBounds) -> Any:
     return _decode_text(name, raw)
 
 
-def _is_batch(raw: bytes) -> bool:
+def _check_num_prompts(batch: memoryview | list[msgspec.Raw], max_prompts: int) -> None:
+    """At most `max_prompts` prompts; a batch of token-id lists (no text in it) is counted
+    by its brackets, before it is split."""
+    if isinstance(batch, memoryview):
+        raw = bytes(batch)
+        num_prompts = raw.count(b"[") - 1 if b'"' not in raw else 0
+    else:
+        num_prompts = len(batch)
+    if num_prompts > max_prompts:
+        raise InvalidParamError(
+            "prompt", f"holds {num_prompts} prompts; at most {max_prompts} are admitted"
+        )
+
+
+def _is_batch(head_view: memoryview) -> bool:
     """Whether a prompt is a list of prompts (texts or token-id lists), not one of ids."""
-    head = raw[:64].lstrip()
+    head = bytes(head_view).lstrip()
     if not head.startswith(b"["):
         return False
     first = head[1:].lstrip()[:1]
