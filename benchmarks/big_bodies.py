@@ -29,8 +29,9 @@ def _json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-# name -> (protocol, body builder); what issue 24 measured, each refused by the server
+# name -> (protocol, body builder): a small control, then what issue 24 measured, each refused
 BODIES: dict[str, tuple[str, Callable[[], bytes]]] = {
+    "http_small": ("http", lambda: _json({"prompt": "x", "max_tokens": 1})),  # the control
     "http_nested": ("http", lambda: _json({"prompt": [list(range(100))] * 100_000})),
     "http_ids": ("http", lambda: _json({"prompt": list(range(1_000_000))})),
     "http_text": ("http", lambda: _json({"prompt": "a" * 63_000_000})),
@@ -40,6 +41,7 @@ BODIES: dict[str, tuple[str, Callable[[], bytes]]] = {
     ),
     "http_stop": ("http", lambda: _json({"prompt": "x", "stop": ["ab"] * 1_000_000})),
     "grpc_ids": ("grpc", lambda: _grpc_ids()),
+    "grpc_ids_25m": ("grpc", lambda: _grpc_ids(25_000_000)),  # main's stall well over noise
 }
 
 
@@ -67,10 +69,10 @@ def send_http(address: str, path: str, body: bytes, timeout_s: float = 60) -> in
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
 
 
-def _grpc_ids() -> bytes:
+def _grpc_ids(num_ids: int = 15_000_000) -> bytes:
     from asyncengine.v1 import generation_pb2 as pb
 
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 15_000_000)).SerializeToString()
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * num_ids)).SerializeToString()
 
 
 def send_grpc(target: str, method: str, message: bytes, timeout_s: float = 60) -> int:

@@ -73,16 +73,16 @@ class BodyBounds:
         return cls(state.options.max_message_size, field_bytes, max_prompts, max(text, ids))
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+async def read_body(request: Request, max_bytes: int) -> bytearray:
     """The whole body; BodyTooLargeError as soon as it passes `max_bytes` (chunked or not),
     the rest left unread (the 413 closes the connection)."""
-    chunks, num_bytes = [], 0
+    # grown a chunk at a time: one join of 60 MB at the end held the loop 0.2 s (page faults)
+    body = bytearray()
     async for chunk in request.stream():
-        num_bytes += len(chunk)
-        if num_bytes > max_bytes:
+        if len(body) + len(chunk) > max_bytes:
             raise too_large(max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
 
 
 def too_large(max_bytes: int) -> BodyTooLargeError:
@@ -97,7 +97,7 @@ async def parse_body(request: Request, model: type[M], bounds: BodyBounds) -> M:
     return await asyncio.to_thread(decode, body, model, bounds)
 
 
-def decode(body: bytes, model: type[M], bounds: BodyBounds) -> M:
+def decode(body: bytes | bytearray, model: type[M], bounds: BodyBounds) -> M:
     """`body` as `model`: each field the model has measured, decoded, then validated.
 
     Invalid UTF-8 and lone surrogates (`"\\ud800"`) are refused by the decoder, naming the
@@ -207,7 +207,7 @@ _SCAN_BYTES = 1 << 20  # a slice of the scan: the GIL is given up between slices
 _MARKERS = (b"\\ufdd0", b"\\ufdd1", b"\\ufdd2", b"\\ufdd3")  # noncharacters
 
 
-def surrogate_error(body: bytes) -> InvalidParamError | None:
+def surrogate_error(body: bytes | bytearray) -> InvalidParamError | None:
     """The error naming the field (`messages.0.content`) that holds a lone surrogate, which
     the decoder refuses without saying where; None when there is none."""
     marker = next((m for m in _MARKERS if m not in body), None)
@@ -230,7 +230,7 @@ def surrogate_error(body: bytes) -> InvalidParamError | None:
     return InvalidParamError(where, "holds a lone surrogate (not Unicode text)")
 
 
-def _is_lone(body: bytes, at: int) -> bool:
+def _is_lone(body: bytes | bytearray, at: int) -> bool:
     """Whether the surrogate escape at `at` is one (its backslash not escaped) and alone:
     a high half is (the pattern saw no low one after it); a low half is, unless after a high."""
     if not _is_escape(body, at):
@@ -241,7 +241,7 @@ def _is_lone(body: bytes, at: int) -> bool:
     return not (_HIGH.fullmatch(body, before, at) and _is_escape(body, before))
 
 
-def _is_escape(body: bytes, at: int) -> bool:
+def _is_escape(body: bytes | bytearray, at: int) -> bool:
     """Whether the backslash at `at` starts an escape: an even number of backslashes before it."""
     run = body[max(0, at - 64) : at]
     return (len(run) - len(run.rstrip(b"\\"))) % 2 == 0
