@@ -41,6 +41,12 @@ BODIES: dict[str, tuple[str, Callable[[], bytes]]] = {
         lambda: _json({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(100_000)}}),
     ),
     "http_stop": ("http", lambda: _json({"prompt": "x", "stop": ["ab"] * 1_000_000})),
+    # the tests' sizes: main's stall well over a loaded machine's noise
+    "http_logit_bias_1e6": (
+        "http",
+        lambda: _json({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(1_000_000)}}),
+    ),
+    "http_stop_3e6": ("http", lambda: _json({"prompt": "x", "stop": ["ab"] * 3_000_000})),
     "grpc_ids": ("grpc", lambda: _grpc_ids()),
     "grpc_ids_25m": ("grpc", lambda: _grpc_ids(25_000_000)),  # main's stall well over noise
 }
@@ -163,7 +169,8 @@ def main() -> None:
     parser.add_argument("--target", help="the server's gRPC address (the canary's)")
     parser.add_argument("--http", help="the server's HTTP address (host:port)")
     parser.add_argument("--attack", help="send one body and print its status (as JSON)")
-    table = [name for name in BODIES if name not in ("http_nested_1e4", "grpc_ids_25m")]
+    tests_only = ("http_nested_1e4", "http_logit_bias_1e6", "http_stop_3e6", "grpc_ids_25m")
+    table = [name for name in BODIES if name not in tests_only]
     parser.add_argument("--bodies", default=",".join(table), help=f"of {', '.join(BODIES)}")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
