@@ -127,3 +127,15 @@ def test_invalid_utf8_is_a_400_naming_its_field(small: ServerThread) -> None:
     # a paired surrogate is one character, and an escaped backslash no escape at all
     ok = json.dumps({"prompt": "\U0001f600 \\ud800", "max_tokens": 2}).encode()
     assert _post(small, "/v1/completions", ok)[0] == 200
+
+
+def test_many_prompts_or_messages_are_refused_before_they_are_built(small: ServerThread) -> None:
+    """Counted before the list is split (prompts) or each one built (messages): a body of
+    many tiny elements costs the server a count, not millions of objects."""
+    many_prompts = json.dumps({"prompt": [""] * 200_000}).encode()
+    status, reply = _post(small, "/v1/completions", many_prompts)
+    assert status == 400 and reply["error"]["param"] == "prompt", reply
+    many_messages = json.dumps({"messages": [{"role": "user", "content": "x"}] * 5000}).encode()
+    status, reply = _post(small, "/v1/chat/completions", many_messages)
+    assert status == 400 and reply["error"]["param"] == "messages", reply
+    assert "4096 messages" in reply["error"]["message"]

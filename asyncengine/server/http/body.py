@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import Request
 
 from asyncengine import sampling_params as sp
+from asyncengine.server.http import protocol
 from asyncengine.server.http.errors import BodyTooLargeError, InvalidParamError
 from asyncengine.server.state import ServerState
 
@@ -33,6 +34,8 @@ INLINE_BYTES = 64 * 1024
 ID_BYTES = 16
 # JSON bytes one character of text may take (`\u00e9`: six for one)
 ESCAPED_BYTES_PER_CHAR = 6
+# messages of one chat: each is built and rendered for the template, the first on the loop
+MAX_MESSAGES = 4096
 # what any other field may take: a number, a flag, a short name
 OTHER_FIELD_BYTES = 64 * 1024
 _STRUCTURE_BYTES = 64 * 1024  # a message's or a schema's keys and punctuation
@@ -40,6 +43,7 @@ _ROOT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ANY = msgspec.json.Decoder()
 _ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
 _PROMPT = pydantic.TypeAdapter(str | list[int])
+_ELEMENTS = {"messages": pydantic.TypeAdapter(protocol.ChatMessage)}
 
 
 @dataclass(frozen=True)
@@ -115,24 +119,32 @@ def decode(body: bytes | bytearray, model: type[M], bounds: BodyBounds) -> M:
         if len(raw) > limit:
             raise InvalidParamError(name, f"is over {limit} bytes of JSON")
         values[name] = _decode_field(name, raw, bounds)
-    batch = values.get("prompt")
-    if isinstance(batch, _Batch):
-        values["prompt"] = ""  # validated one prompt at a time below
+    # a list of prompts or messages is validated an element at a time, the rest at once
+    split = {name: value for name, value in values.items() if isinstance(value, _Batch)}
+    values.update({name: "" if name == "prompt" else [] for name in split})
     try:
         parsed = model.model_validate(values)
     except pydantic.ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False)) from None
-    if isinstance(batch, _Batch):
-        parsed.prompt = _validated_prompts(batch)  # type: ignore[attr-defined]
+    for name, batch in split.items():
+        if name == "prompt":
+            parsed.prompt = _validated_prompts(batch)  # type: ignore[attr-defined]
+        else:
+            setattr(parsed, name, _validated_elements(name, batch))
     return parsed
 
 
 class _Batch(list[msgspec.Raw]):
-    """A list of prompts, each still JSON: measured and decoded one at a time."""
+    """A list of prompts or messages, each still JSON: decoded one at a time."""
 
 
 def _decode_field(name: str, raw: msgspec.Raw, bounds: BodyBounds) -> Any:
     view = memoryview(raw)  # a view: the field is not copied to be measured
+    if name == "messages" and bytes(view[:64]).lstrip().startswith(b"["):
+        messages = _Batch(_decode_text(name, raw, list[msgspec.Raw]))
+        if len(messages) > MAX_MESSAGES:  # each is rendered on the loop (chat.py)
+            raise InvalidParamError(name, f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+        return messages
     if name == "prompt" and _is_batch(view[:64]):
         _check_num_prompts(view, bounds.max_prompts)
         prompts = _Batch(_decode_text(name, raw, list[msgspec.Raw]))
@@ -191,6 +203,18 @@ def _decode_text(name: str, raw: msgspec.Raw, type_: Any = Any) -> Any:
         raise InvalidParamError(
             name, f"is not valid JSON text (invalid UTF-8 or a lone surrogate?): {exc}"
         ) from None
+
+
+def _validated_elements(name: str, batch: Iterable[msgspec.Raw]) -> list[Any]:
+    elements = []
+    for index, raw in enumerate(batch):
+        try:
+            elements.append(_ELEMENTS[name].validate_python(_decode_text(name, raw)))
+        except pydantic.ValidationError as exc:
+            errors = exc.errors(include_url=False)
+            located = [{**e, "loc": (name, index, *e["loc"])} for e in errors]
+            raise RequestValidationError(located) from None
+    return elements
 
 
 def _validated_prompts(batch: Iterable[msgspec.Raw]) -> list[str | list[int]]:
