@@ -37,9 +37,21 @@ class FieldBound:
     max_bytes: int
     why: str
     max_count: int = 1
+    inner: dict[str, FieldBound] | None = None  # a message field's own: names the culprit
 
 
 Bounds = dict[str, FieldBound]  # a request type's fields by name
+_STOP_BYTES = _UTF8_BYTES_PER_CHAR * sp.MAX_STOP_STRING_LEN
+_STOPPING = FieldBound(
+    sp.MAX_STOP_STRINGS * (_STOP_BYTES + 8) + sp.MAX_STOP_TOKEN_IDS * ID_BYTES + 256,
+    f"bytes (at most {sp.MAX_STOP_STRINGS} stop strings, {sp.MAX_STOP_TOKEN_IDS} stop token ids)",
+    inner={
+        "stop": FieldBound(_STOP_BYTES, "bytes", sp.MAX_STOP_STRINGS),
+        "stop_token_ids": FieldBound(
+            sp.MAX_STOP_TOKEN_IDS * ID_BYTES, "bytes", sp.MAX_STOP_TOKEN_IDS
+        ),
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -60,18 +72,18 @@ class MessageBounds:
         shared = {
             "request_id": FieldBound(text_bytes * MAX_REQUEST_ID_LEN, "bytes"),
             "cache_salt": FieldBound(text_bytes * MAX_CACHE_SALT_LEN, "bytes"),
-            "stopping": FieldBound(
-                sp.MAX_STOP_STRINGS * (text_bytes * sp.MAX_STOP_STRING_LEN + 8)
-                + sp.MAX_STOP_TOKEN_IDS * ID_BYTES
-                + 256,
-                f"bytes (at most {sp.MAX_STOP_STRINGS} stop strings and "
-                f"{sp.MAX_STOP_TOKEN_IDS} stop token ids)",
-            ),
+            "stopping": _STOPPING,
             **{
                 name: FieldBound(text_bytes * sp.MAX_CONSTRAINT_LEN + 16, "bytes")
                 for name in ("json_schema", "regex", "grammar")
             },
-            "choice": FieldBound(sp.MAX_CHOICES * (text_bytes * sp.MAX_CHOICE_LEN + 8), "bytes"),
+            "choice": FieldBound(
+                sp.MAX_CHOICES * (text_bytes * sp.MAX_CHOICE_LEN + 8),
+                "bytes",
+                inner={
+                    "choices": FieldBound(text_bytes * sp.MAX_CHOICE_LEN, "bytes", sp.MAX_CHOICES)
+                },
+            ),
         }
         prompt = FieldBound(max(text.max_bytes, ids.max_bytes) + 16, "bytes", max_in_flight)
         sequence = FieldBound(4 * ids.max_bytes, "bytes (4 x max_model_len ids)", max_sequences)
@@ -111,9 +123,11 @@ def parse_bounded(data: bytes, message_type: Any, bounds: Bounds) -> Message:
     return message
 
 
-def _measure(data: bytes, descriptor: Descriptor, bounds: Bounds) -> dict[str, list[Any]] | None:
-    """Each known field's byte ranges (tag included; a split field's: tag to value end), the
-    bounds checked on the way; None when the framing breaks (left to the parser)."""
+def _measure(
+    data: bytes, descriptor: Descriptor, bounds: Bounds, prefix: str = ""
+) -> dict[str, list[Any]] | None:
+    """Each known field's byte ranges (tag included), the bounds checked on the way (a field
+    named `prefix` + its name); None when the framing breaks (left to the parser)."""
     spans: dict[str, list[tuple[int, int]]] = {}
     num_other = 0
     pos = 0
@@ -125,13 +139,9 @@ def _measure(data: bytes, descriptor: Descriptor, bounds: Bounds) -> dict[str, l
             return None
         number, (size, pos) = tag[0] >> 3, framed
         field = descriptor.fields_by_number.get(number)
-        if (
-            field is not None
-            and field.is_repeated
-            and tag[0] & 7 != 2
-            and (field.type == FieldDescriptor.TYPE_MESSAGE)
-        ):
-            raise DecodeError(f"{field.name}: a message field under wire type {tag[0] & 7}")
+        is_message = field is not None and field.type == FieldDescriptor.TYPE_MESSAGE
+        if is_message and tag[0] & 7 != 2:
+            raise DecodeError(f"{prefix}{number}: a message field under wire type {tag[0] & 7}")
         name = field.name if field is not None else ""
         ranges = spans.setdefault(name, [])
         ranges.append((start, pos))
@@ -139,12 +149,14 @@ def _measure(data: bytes, descriptor: Descriptor, bounds: Bounds) -> dict[str, l
         if bound is None:
             num_other += 1
             if num_other > MAX_OTHER_FIELDS or size > OTHER_FIELD_BYTES:
-                raise InvalidFieldError(name or "(message)", "too many or too big fields")
+                raise InvalidFieldError(prefix + name or "(message)", "too many or too big fields")
             continue
         if len(ranges) > bound.max_count:
-            raise InvalidFieldError(name, f"has more than {bound.max_count} elements")
+            raise InvalidFieldError(prefix + name, f"has more than {bound.max_count} elements")
         if size > bound.max_bytes:
-            raise InvalidFieldError(name, f"is over {bound.max_bytes} {bound.why}")
+            if bound.inner is not None and field is not None:  # which of its fields is it?
+                _measure(data[pos - size : pos], field.message_type, bound.inner, f"{name}.")
+            raise InvalidFieldError(prefix + name, f"is over {bound.max_bytes} {bound.why}")
     return spans
 
 

@@ -118,7 +118,7 @@ def test_a_big_request_over_a_bound_is_refused_naming_the_field_unparsed(
     cases = [
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 1_000_000)), "token_ids"),
         (pb.GenerateRequest(text="x", stopping=pb.StoppingOptions(stop=["ab"] * 100_000)),
-         "stopping"),
+         "stopping.stop"),
         (pb.GenerateBatchRequest(prompts=[pb.Prompt(text="") for _ in range(200_000)]),
          "prompts"),
     ]  # fmt: skip
