@@ -33,9 +33,11 @@ def _json(obj: Any) -> bytes:
 BODIES: dict[str, tuple[str, Callable[[], bytes]]] = {
     "http_small": ("http", lambda: _json({"prompt": "x", "max_tokens": 1})),  # the control
     "http_nested": ("http", lambda: _json({"prompt": [list(range(100))] * 100_000})),
-    "http_nested_1e4": ("http", lambda: _json({"prompt": [list(range(100))] * 10_000})),
+    "http_nested_3e4": ("http", lambda: _json({"prompt": [list(range(100))] * 33_000})),
     "http_ids": ("http", lambda: _json({"prompt": list(range(1_000_000))})),
     "http_text": ("http", lambda: _json({"prompt": "a" * 63_000_000})),
+    # the same size as a client with ensure_ascii sends non-ASCII text: escapes to decode
+    "http_text_escaped": ("http", lambda: json.dumps({"prompt": "\u00e9" * 10_000_000}).encode()),
     "http_logit_bias": (
         "http",
         lambda: _json({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(100_000)}}),
@@ -48,7 +50,7 @@ BODIES: dict[str, tuple[str, Callable[[], bytes]]] = {
     ),
     "http_stop_3e6": ("http", lambda: _json({"prompt": "x", "stop": ["ab"] * 3_000_000})),
     "grpc_ids": ("grpc", lambda: _grpc_ids()),
-    "grpc_ids_25m": ("grpc", lambda: _grpc_ids(25_000_000)),  # main's stall well over noise
+    "grpc_ids_60m": ("grpc", lambda: _grpc_ids(60_000_000)),  # main's stall well over noise
 }
 
 
@@ -169,7 +171,10 @@ def main() -> None:
     parser.add_argument("--target", help="the server's gRPC address (the canary's)")
     parser.add_argument("--http", help="the server's HTTP address (host:port)")
     parser.add_argument("--attack", help="send one body and print its status (as JSON)")
-    tests_only = ("http_nested_1e4", "http_logit_bias_1e6", "http_stop_3e6", "grpc_ids_25m")
+    tests_only = (
+        "http_nested_3e4", "http_text_escaped", "http_logit_bias_1e6", "http_stop_3e6",
+        "grpc_ids_60m",
+    )  # fmt: skip
     table = [name for name in BODIES if name not in tests_only]
     parser.add_argument("--bodies", default=",".join(table), help=f"of {', '.join(BODIES)}")
     parser.add_argument("--json", action="store_true")
