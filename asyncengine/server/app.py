@@ -17,7 +17,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
-from grpc_reflection.v1alpha import reflection
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
@@ -29,6 +28,7 @@ from asyncengine.server.health import SERVICE_NAMES, GrpcHealth
 from asyncengine.server.message_bounds import MessageBounds
 from asyncengine.server.metrics import ServerMetrics
 from asyncengine.server.options import ServeOptions, check_options
+from asyncengine.server.reflection import enable_reflection
 from asyncengine.server.servicer_control import ControlServicer
 from asyncengine.server.servicer_generation import (
     MAX_DETOKENIZE_SEQUENCES,
@@ -119,8 +119,7 @@ def build_server(state: ServerState, health: GrpcHealth) -> tuple[grpc.aio.Serve
     control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(state), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if options.reflection:
-        names = (*SERVICE_NAMES, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
+        enable_reflection((*SERVICE_NAMES, HEALTH_SERVICE_NAME), server)
     host = f"[{options.host}]" if ":" in options.host else options.host
     address = f"{host}:{options.port}"
     credentials = server_credentials(options)

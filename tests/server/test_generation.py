@@ -110,6 +110,21 @@ def test_health_and_reflection_list_both_services(server: ServerProcess) -> None
     assert "grpc.health.v1.Health" in names
 
 
+def test_reflection_v1_lists_services_beside_v1alpha(server: ServerProcess) -> None:
+    # no v1 stub ships with grpcio-reflection 1.85; v1's messages are v1alpha's renamed
+    with server.channel() as channel:
+        info = channel.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        (reply,) = list(info(iter([ask])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"asyncengine.v1.Generation", "asyncengine.v1.Control"} <= names
+    assert {f"grpc.reflection.{v}.ServerReflection" for v in ("v1", "v1alpha")} <= names
+
+
 def test_64_concurrent_streams_equal_llm_generate(server: ServerProcess, llm: LLM) -> None:
     prompts = make_prompts(64, seed=1)
     rng = random.Random(2)
