@@ -20,6 +20,10 @@ class InvalidRequestError(ValueError):
         self.description = description
 
 
+class ContextLengthError(InvalidRequestError):
+    """The prompt, with the output it asks for, does not fit the model's context length."""
+
+
 class DuplicateRequestError(InvalidRequestError):
     """A request with this id is still in flight."""
 

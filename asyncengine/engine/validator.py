@@ -17,7 +17,7 @@ from asyncengine.engine.structured_output import (
     GrammarError,
     StructuredOutputManager,
 )
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import ContextLengthError, InvalidRequestError
 from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_REQUEST_ID_LEN = 256
@@ -106,11 +106,7 @@ class RequestValidator:
         if num_tokens == 0:
             raise InvalidRequestError("prompt", "is empty")
         if num_tokens >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"is {num_tokens} tokens: no room for output within the context length "
-                f"(max_model_len {self.max_model_len})",
-            )
+            raise self._no_room_for_output(num_tokens)
         if num_tokens > self.cache_capacity:
             raise InvalidRequestError(
                 "prompt", f"is {num_tokens} tokens; the KV cache holds {self.cache_capacity}"
@@ -121,10 +117,10 @@ class RequestValidator:
             and max_tokens is not None
             and num_tokens + max_tokens > self.max_model_len
         ):
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 "max_tokens",
-                f"prompt ({num_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context length (max_model_len {self.max_model_len})",
+                f"{self._context_is()}; however, you requested {num_tokens + max_tokens} tokens "
+                f"({num_tokens} in the prompt, {max_tokens} in the completion)",
             )
         self._check_output_len(num_tokens, params)
         return ValidatedRequest(
@@ -141,11 +137,23 @@ class RequestValidator:
         """A min_tokens the context cannot hold would run to the context limit regardless."""
         room = self.max_model_len - num_tokens
         if params.min_tokens > room:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 "min_tokens",
-                f"prompt ({num_tokens} tokens) + min_tokens ({params.min_tokens}) exceeds the "
-                f"context length (max_model_len {self.max_model_len})",
+                f"{self._context_is()}; however, you requested at least "
+                f"{num_tokens + params.min_tokens} tokens ({num_tokens} in the prompt, "
+                f"{params.min_tokens} in the completion)",
             )
+
+    def _context_is(self) -> str:
+        # OpenAI's wording: litellm and other wrappers match "maximum context length"
+        return f"this model's maximum context length is {self.max_model_len} tokens"
+
+    def _no_room_for_output(self, num_tokens: int) -> ContextLengthError:
+        return ContextLengthError(
+            "prompt",
+            f"{self._context_is()}; however, the prompt alone is {num_tokens} tokens, "
+            "with no room for output",
+        )
 
     def check_structured_outputs(self, params: SamplingParams) -> CompiledConstraint | None:
         """The request's compiled constraint (None without one). Slow on a cache miss: the
@@ -183,11 +191,7 @@ class RequestValidator:
 
     def _check_prompt_ids(self, token_ids: list[int]) -> None:
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"is {len(token_ids)} tokens: no room for output within the context length "
-                f"(max_model_len {self.max_model_len})",
-            )
+            raise self._no_room_for_output(len(token_ids))
         self.check_token_ids("prompt", token_ids)
 
     def _check_params(self, params: SamplingParams) -> None:

@@ -145,6 +145,26 @@ def test_errors_are_openai_shaped_and_name_the_param(fake: ServerThread) -> None
     fake.assert_nothing_left()
 
 
+def test_errors_carry_the_types_and_codes_openai_wrappers_match(fake: ServerThread) -> None:
+    client = fake.client()
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4", prompt="Hello")
+    assert missing.value.status_code == 404
+    assert missing.value.body["type"] == "invalid_request_error"
+    assert missing.value.body["code"] == "model_not_found"
+    for extra in ({"max_tokens": 5000}, {"max_tokens": None, "extra_body": {"min_tokens": 10**9}}):
+        with pytest.raises(openai.BadRequestError) as overflow:
+            client.completions.create(**{"model": fake.model, "prompt": "Hello", **extra})
+        assert overflow.value.body["code"] == "context_length_exceeded", extra
+        assert "maximum context length is" in overflow.value.body["message"]
+    status, body = post(fake.base_url + "/v1/completions", b'{"prompt": "hi", ')
+    assert status == 400 and body["error"]["param"] is None
+    assert body["error"]["message"].startswith("the body is not a valid JSON object")
+    messages = [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}]
+    status, body = post(fake.base_url + "/v1/chat/completions", {"messages": messages})
+    assert status == 400 and body["error"]["param"] == "messages.1.role"
+
+
 def test_a_body_over_the_message_size_is_refused_unread(guarded: ServerThread) -> None:
     url = guarded.base_url + "/v1/completions"
     status, body = post(url, {"prompt": "x" * 2000}, Authorization="Bearer alpha")

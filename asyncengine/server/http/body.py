@@ -110,7 +110,7 @@ def decode(body: bytes | bytearray, model: type[M], bounds: BodyBounds) -> M:
         fields = _ROOT.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         named = surrogate_error(body)
-        raise named or _invalid_json(f"the body is not a JSON object: {exc}") from None
+        raise named or _invalid_json(f"the body is not a valid JSON object: {exc}") from None
     values: dict[str, Any] = {}
     for name, raw in fields.items():
         if name not in model.model_fields:

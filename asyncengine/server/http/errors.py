@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from asyncengine.errors import (
+    ContextLengthError,
     DuplicateRequestError,
     EngineDeadError,
     EngineOverloadedError,
@@ -32,6 +33,10 @@ class InvalidParamError(InvalidRequestError):
 
 class ModelNotFoundError(LookupError):
     """The request names a model this server does not serve."""
+
+
+class ContextLengthExceededError(InvalidParamError):
+    """The engine's ContextLengthError, named by the OpenAI field it came from."""
 
 
 class UnsupportedParamError(InvalidParamError):
@@ -78,6 +83,8 @@ def _classify(
         return 409, "invalid_request_error", "x-request-id", "duplicate_request_id", None
     if isinstance(exc, UnsupportedParamError):
         return 400, "invalid_request_error", exc.field, "unsupported_parameter", None
+    if isinstance(exc, ContextLengthError | ContextLengthExceededError):
+        return 400, "invalid_request_error", exc.field, "context_length_exceeded", None
     if isinstance(exc, InvalidRequestError):
         return 400, "invalid_request_error", exc.field, "invalid_value", None
     if isinstance(exc, RequestValidationError):
@@ -88,7 +95,8 @@ def _classify(
     if isinstance(exc, UnauthenticatedError):
         return 401, "authentication_error", None, "invalid_api_key", None
     if isinstance(exc, ModelNotFoundError):
-        return 404, "not_found_error", "model", "model_not_found", None
+        # 404 with OpenAI's type: wrappers branch on type and code, not on the status
+        return 404, "invalid_request_error", "model", "model_not_found", None
     if isinstance(exc, EngineOverloadedError):
         retry_after = str(max(1, math.ceil(exc.retry_after_s)))  # whole seconds, by the RFC
         return 429, "rate_limit_error", None, "overloaded", {"Retry-After": retry_after}
@@ -120,7 +128,8 @@ def validation_message(exc: RequestValidationError) -> str:
         return "the request body is not valid"
     first = errors[0]
     param = _validation_param(exc)
-    return f"{param or 'body'}: {first.get('msg', 'is not valid')}"
+    message = str(first.get("msg", "is not valid"))
+    return f"{param}: {message}" if param else message
 
 
 def _phrase(status: int) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
-from asyncengine.errors import DuplicateRequestError, InvalidRequestError
+from asyncengine.errors import ContextLengthError, DuplicateRequestError, InvalidRequestError
 from asyncengine.outputs import FinishReason, Logprobs
 from asyncengine.sampling_params import (
     RequestOutputKind,
@@ -15,7 +15,7 @@ from asyncengine.sampling_params import (
     StructuredOutputsParams,
 )
 from asyncengine.server.http import protocol
-from asyncengine.server.http.errors import InvalidParamError
+from asyncengine.server.http.errors import ContextLengthExceededError, InvalidParamError
 
 # the engine's field -> the OpenAI field it comes from ("prompts": the server's own count)
 COMPLETION_PARAMS = {
@@ -75,7 +75,8 @@ def param_error(
         return exc
     name = table.get(exc.field, exc.field)
     where = f"{prefix} " if prefix else ""
-    error = InvalidParamError(name, where + exc.description)
+    kind = ContextLengthExceededError if isinstance(exc, ContextLengthError) else InvalidParamError
+    error = kind(name, where + exc.description)
     error.__cause__ = exc
     return error
 

@@ -70,7 +70,8 @@ class ContentPart(_Lenient):
 class ChatMessage(_Lenient):
     model_config = ConfigDict(extra="allow")  # tool calls, names: the template may use them
 
-    role: str
+    # OpenAI's roles: another is a 400 naming `messages.N.role`, not a prompt the template mangles
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
 
