@@ -165,6 +165,16 @@ def test_errors_carry_the_types_and_codes_openai_wrappers_match(fake: ServerThre
     assert status == 400 and body["error"]["param"] == "messages.1.role"
 
 
+def test_models_retrieve_gives_the_served_model_and_404_for_another(fake: ServerThread) -> None:
+    client = fake.client()
+    model = client.models.retrieve(fake.model)
+    assert (model.id, model.object, model.owned_by) == (fake.model, "model", "asyncengine")
+    assert model.created == client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found"
+
+
 def test_a_body_over_the_message_size_is_refused_unread(guarded: ServerThread) -> None:
     url = guarded.base_url + "/v1/completions"
     status, body = post(url, {"prompt": "x" * 2000}, Authorization="Bearer alpha")

@@ -82,16 +82,25 @@ def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
         body = await parse_body(request, protocol.ChatRequest, bounds)
         return await create_chat_completion(ctx, body, request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> protocol.ModelList:
-        ctx.authorize(request)
-        card = protocol.ModelCard(
+    def card() -> protocol.ModelCard:
+        return protocol.ModelCard(
             id=ctx.model_name,
             created=ctx.started_at,
             root=state.engine.config.model_config.model,
             max_model_len=state.engine.max_model_len,
         )
-        return protocol.ModelList(data=[card])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> protocol.ModelList:
+        ctx.authorize(request)
+        return protocol.ModelList(data=[card()])
+
+    # `:path`: the served name may be a filesystem path, slashes and all
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> protocol.ModelCard:
+        ctx.authorize(request)
+        ctx.check_model(model_id)
+        return card()
 
 
 def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
