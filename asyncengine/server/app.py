@@ -26,10 +26,15 @@ from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
 from asyncengine.server.decode import MalformedRequestInterceptor
 from asyncengine.server.health import SERVICE_NAMES, GrpcHealth
+from asyncengine.server.message_bounds import MessageBounds
 from asyncengine.server.metrics import ServerMetrics
 from asyncengine.server.options import ServeOptions, check_options
 from asyncengine.server.servicer_control import ControlServicer
-from asyncengine.server.servicer_generation import GenerationServicer
+from asyncengine.server.servicer_generation import (
+    MAX_DETOKENIZE_SEQUENCES,
+    MAX_TOKENIZE_TEXTS,
+    GenerationServicer,
+)
 from asyncengine.server.state import ServerState
 from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
 
@@ -96,7 +101,15 @@ def build_server(state: ServerState, health: GrpcHealth) -> tuple[grpc.aio.Serve
         )
     # inside auth (the first is outermost): auth's rejection keeps this never-raising
     # deserializer, so a caller without a token gets UNAUTHENTICATED and learns nothing of parsing
-    interceptors.append(MalformedRequestInterceptor())
+    engine = state.engine
+    bounds = MessageBounds.create(
+        engine.max_model_len,
+        engine.config.scheduler_config.max_prompt_bytes,
+        state.max_in_flight,
+        max_texts=MAX_TOKENIZE_TEXTS,
+        max_sequences=MAX_DETOKENIZE_SEQUENCES,
+    )
+    interceptors.append(MalformedRequestInterceptor(bounds))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=grpc_options(options),

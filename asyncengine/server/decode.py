@@ -2,11 +2,14 @@
 
 grpc deserializes a request after the interceptors have picked its handler, so the interceptor
 swaps in a deserializer that never raises: on a DecodeError it returns a `MalformedRequest`,
-and the handler around the servicer's turns that into the status instead of calling it.
+and the handler around the servicer's turns that into the status instead of calling it. A big
+request is not parsed by the deserializer (on the loop) at all: it returns the bytes as a
+`LargeRequest`, which the handler measures and parses in a worker thread (message_bounds.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -14,12 +17,13 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
-from google.protobuf import descriptor_pool
+from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from asyncengine.logging import get_logger
 from asyncengine.server.errors import InvalidFieldError, abort_rpc
+from asyncengine.server.message_bounds import INLINE_BYTES, MessageBounds, parse_bounded
 
 logger = get_logger(__name__)
 
@@ -52,12 +56,23 @@ class MalformedRequest:
     fault: WireFault
 
 
+@dataclass(frozen=True)
+class LargeRequest:
+    """What the guarded deserializer returns for a request over INLINE_BYTES: its bytes."""
+
+    data: bytes
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
-    """Ends a call whose request does not parse with INVALID_ARGUMENT naming the field.
+    """Ends a call whose request does not parse with INVALID_ARGUMENT naming the field, and
+    parses a big one off the loop, within `bounds` (none: parsed whole, in a thread).
 
     Only unary requests are guarded (these protos have no streaming ones), and only async
     handlers; one WARNING line per such call, no traceback.
     """
+
+    def __init__(self, bounds: MessageBounds | None = None) -> None:
+        self._bounds = bounds or MessageBounds({})
 
     async def intercept_service(
         self,
@@ -67,33 +82,51 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        return _guarded(handler, handler_call_details.method)
+        return _guarded(handler, handler_call_details.method, self._bounds)
 
 
-def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _guarded(
+    handler: grpc.RpcMethodHandler, method: str, bounds: MessageBounds
+) -> grpc.RpcMethodHandler:
     """`handler` with a deserializer that never raises and a behavior that rejects its marker."""
     parse = handler.request_deserializer
+    descriptor = _request_type(method)
+    message_type = _message_class(descriptor)
 
     def deserialize(data: bytes) -> Any:
+        if len(data) > INLINE_BYTES and message_type is not None:
+            return LargeRequest(data)
         try:
             return parse(data)
         except DecodeError as exc:
-            descriptor = _request_type(method)
-            fault = find_wire_fault(data, descriptor) if descriptor is not None else None
-            return MalformedRequest(fault or WireFault(MESSAGE_FIELD, str(exc)))
+            return _malformed(data, descriptor, exc)
+
+    def parse_large(data: bytes) -> Any:  # in a worker thread
+        assert descriptor is not None and message_type is not None
+        try:
+            return parse_bounded(data, message_type, bounds.by_type.get(descriptor.full_name, {}))
+        except DecodeError as exc:
+            return _malformed(data, descriptor, exc)
+
+    async def parsed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, LargeRequest):
+            try:
+                request = await asyncio.to_thread(parse_large, request.data)
+            except InvalidFieldError as exc:
+                await abort_rpc(context, exc)
+        if isinstance(request, MalformedRequest):
+            await _reject(context, method, request.fault)
+        return request
 
     behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
 
     async def unary_response(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, MalformedRequest):
-            await _reject(context, method, request.fault)
-        return await behavior(request, context)
+        return await behavior(await parsed(request, context), context)
 
     async def stream_response(
         request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        if isinstance(request, MalformedRequest):
-            await _reject(context, method, request.fault)
+        request = await parsed(request, context)
         async with contextlib.aclosing(behavior(request, context)) as responses:
             async for response in responses:
                 yield response
@@ -113,6 +146,21 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
     return make(
         wrapped, request_deserializer=deserialize, response_serializer=handler.response_serializer
     )
+
+
+def _malformed(data: bytes, descriptor: Descriptor | None, exc: DecodeError) -> MalformedRequest:
+    fault = find_wire_fault(data, descriptor) if descriptor is not None else None
+    return MalformedRequest(fault or WireFault(MESSAGE_FIELD, str(exc)))
+
+
+def _message_class(descriptor: Descriptor | None) -> Any:
+    """The generated class of a request type (None: not loaded, parsed as grpc would)."""
+    if descriptor is None:
+        return None
+    try:
+        return message_factory.GetMessageClass(descriptor)
+    except (KeyError, TypeError):
+        return None
 
 
 def _request_type(method: str) -> Descriptor | None:

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import asyncengine
 from asyncengine.errors import (
@@ -22,6 +22,7 @@ from asyncengine.errors import (
 )
 from asyncengine.server.errors import ServerDrainingError, UnauthenticatedError
 from asyncengine.server.http import protocol
+from asyncengine.server.http.body import BodyBounds, parse_body, too_large
 from asyncengine.server.http.call import HttpContext
 from asyncengine.server.http.chat import create_chat_completion, render_chat
 from asyncengine.server.http.completions import create_completion
@@ -67,13 +68,18 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
     state = ctx.state
+    bounds = BodyBounds.of(state)
 
     @app.post("/v1/completions")
-    async def completions(body: protocol.CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        ctx.authorize(request)  # before any of the body is read
+        body = await parse_body(request, protocol.CompletionRequest, bounds)
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: protocol.ChatRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        ctx.authorize(request)
+        body = await parse_body(request, protocol.ChatRequest, bounds)
         return await create_chat_completion(ctx, body, request)
 
     @app.get("/v1/models")
@@ -91,6 +97,7 @@ def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
 def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
     """Health, version and metrics for probes and scrapers; vLLM's tokenizer routes."""
     state = ctx.state
+    bounds = BodyBounds.of(state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -116,8 +123,9 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
-    async def tokenize(body: protocol.TokenizeRequest, request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> dict[str, Any]:
         ctx.authorize(request)
+        body = await parse_body(request, protocol.TokenizeRequest, bounds)
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParamError("prompt", "give either prompt or messages")
@@ -142,8 +150,9 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
         return result
 
     @app.post("/detokenize")
-    async def detokenize(body: protocol.DetokenizeRequest, request: Request) -> dict[str, str]:
+    async def detokenize(request: Request) -> dict[str, str]:
         ctx.authorize(request)
+        body = await parse_body(request, protocol.DetokenizeRequest, bounds)
         ctx.check_model(body.model)
         max_ids, vocab_size = 4 * state.engine.max_model_len, state.engine.vocab_size
         if len(body.tokens) > max_ids:
@@ -156,35 +165,17 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
 
 
 class BodyLimit:
-    """Refuses a request body over `max_bytes` before it is read whole (a JSON body is parsed
-    only once complete, so its size is bounded first)."""
+    """Refuses a body whose Content-Length is over `max_bytes` before reading any of it (the
+    routes count what they read: a chunked body is refused as it passes the limit)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for key, value in scope.get("headers", ()):
-            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await error_response(self._error()).__call__(scope, receive, send)
-                return
-        num_bytes = 0
-
-        async def bounded_receive() -> Message:
-            nonlocal num_bytes
-            message = await receive()
-            if message["type"] == "http.request":
-                num_bytes += len(message.get("body", b""))
-                if num_bytes > self.max_bytes:
-                    raise self._error()
-            return message
-
-        await self.app(scope, bounded_receive, send)
-
-    def _error(self) -> BodyTooLargeError:
-        return BodyTooLargeError(
-            f"the request body is over {self.max_bytes} bytes (--max-message-size)"
-        )
+        if scope["type"] == "http":
+            for key, value in scope.get("headers", ()):
+                if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                    await error_response(too_large(self.max_bytes))(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)

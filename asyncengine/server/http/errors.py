@@ -83,7 +83,8 @@ def _classify(
     if isinstance(exc, RequestValidationError):
         return 400, "invalid_request_error", _validation_param(exc), "invalid_type", None
     if isinstance(exc, BodyTooLargeError):
-        return 413, "invalid_request_error", None, "request_too_large", None
+        # closed after: the rest of the body is never read
+        return 413, "invalid_request_error", None, "request_too_large", {"Connection": "close"}
     if isinstance(exc, UnauthenticatedError):
         return 401, "authentication_error", None, "invalid_api_key", None
     if isinstance(exc, ModelNotFoundError):
