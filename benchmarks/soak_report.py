@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 # the ways a soak stream ends (soak.py plans them; the tables list them in this order)
@@ -144,7 +145,7 @@ def print_phases(report: dict[str, Any]) -> None:
     print("\nbig bodies and burst, per round (gaps in ms beyond the canary's normal gap; "
           "held = leaked blocks/stuck slots)")  # fmt: skip
     cells = [["round", "bodies worst", "held", "burst OK", "RES_EXH", "CANCELLED", "other",
-              "over limit", "canary +ms", "canary errors", "held", "RSS MiB"]]  # fmt: skip
+              "over limit", "canary +ms (when)", "canary errors", "held", "RSS MiB"]]  # fmt: skip
     for row in report["rounds"]:
         bodies = row.get("big_bodies", {})
         worst = max(bodies.items(), key=lambda kv: kv[1]["canary_excess_ms"], default=None)
@@ -154,7 +155,8 @@ def print_phases(report: dict[str, Any]) -> None:
             held(row.get("after_big_bodies")), burst.get("ok", ""),
             burst.get("resource_exhausted", ""), burst.get("cancelled", ""),
             sum(burst.get("other", {}).values()) if burst else "", burst.get("num_over_limit", ""),
-            f"{burst['canary_excess_ms']:+.0f}" if burst else "",
+            f"{burst['canary_excess_ms']:+.0f} at {burst.get('canary_worst_gap_at_s', '?')} s"
+            if burst else "",
             dict(burst.get("canary_errors", {})) or "-", held(row.get("after_burst")),
             rss_per_round({"rounds": [row]})[0],
         )])  # fmt: skip
@@ -245,12 +247,16 @@ def print_hostile(report: dict[str, Any]) -> None:
 
 def print_report(report: dict[str, Any], ns: argparse.Namespace) -> None:
     mode = "fake runner" if ns.fake_runner else "tiny model" if ns.model is None else ns.model
+    if Path(mode).name == "default_model":
+        mode = "bundled default model"
     stall = (
         f"--stall-timeout {ns.stall_timeout:g}" if report["has_stall_timeout"] else "no stall flag"
     )
     print(
         f"asyncengine serve ({mode}), {ns.max_num_seqs} running + {ns.max_queued_requests} "
-        f"queued, {stall}; {ns.rounds} rounds of {ns.streams} streams + {ns.stalled} stalled"
+        f"queued, {stall}; {ns.rounds} rounds of {ns.streams} streams + {ns.stalled} stalled, "
+        f"then {len(ns.big_bodies.split(',')) if ns.big_bodies else 0} big bodies and a burst "
+        f"of {ns.burst_streams} streams"
     )
     print_rounds(report, ns)
     print_streams(report)
