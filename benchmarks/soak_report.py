@@ -142,6 +142,8 @@ def held(row: dict[str, Any] | None) -> str:
 
 def print_phases(report: dict[str, Any]) -> None:
     """Per round: the big bodies' worst canary gap, the burst, what was held after each, RSS."""
+    if not any("big_bodies" in row or "burst" in row for row in report["rounds"]):
+        return
     print("\nbig bodies and burst, per round (gaps in ms beyond the canary's normal gap; "
           "held = leaked blocks/stuck slots)")  # fmt: skip
     cells = [["round", "bodies worst", "held", "burst OK", "RES_EXH", "CANCELLED", "other",
