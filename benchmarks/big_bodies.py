@@ -115,7 +115,9 @@ def attack(name: str, http: str | None, target: str | None) -> dict[str, Any]:
     return {"body": name, "status": status, "took_s": time.perf_counter() - began}
 
 
-async def _canary(target: str, ready: asyncio.Event, stop: asyncio.Event, gaps: list[float]):
+async def _canary(
+    target: str, ready: asyncio.Event, stop: asyncio.Event, gaps: list[float], num_tokens: int
+):
     import grpc
 
     from asyncengine.v1 import generation_pb2 as pb
@@ -124,7 +126,7 @@ async def _canary(target: str, ready: asyncio.Event, stop: asyncio.Event, gaps: 
     request = pb.GenerateRequest(
         text="the canary sings",
         sampling=pb.SamplingOptions(temperature=0.0),
-        stopping=pb.StoppingOptions(max_new_tokens=900, ignore_eos=True),
+        stopping=pb.StoppingOptions(max_new_tokens=num_tokens, ignore_eos=True),
     )
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -143,11 +145,14 @@ async def _canary(target: str, ready: asyncio.Event, stop: asyncio.Event, gaps: 
                     break
 
 
-async def measure(name: str, target: str, http: str | None) -> dict[str, Any]:
-    """The canary's worst and median gap (on gRPC `target`) while another process sends `name`."""
+async def measure(
+    name: str, target: str, http: str | None, canary_tokens: int = 900
+) -> dict[str, Any]:
+    """The canary's worst and median gap (on gRPC `target`) while another process sends `name`
+    (`canary_tokens` per canary stream: prompt + them must fit the server's context)."""
     ready, stop = asyncio.Event(), asyncio.Event()
     gaps: list[float] = []
-    canary = asyncio.create_task(_canary(target, ready, stop, gaps))
+    canary = asyncio.create_task(_canary(target, ready, stop, gaps, canary_tokens))
     await asyncio.wait_for(ready.wait(), 60)
     argv = [sys.executable, __file__, "--attack", name, "--target", target]
     proc = await asyncio.create_subprocess_exec(

@@ -16,11 +16,15 @@ After each round, once the engine is idle, it reports what must come back:
     each stalled reader then reads again, so a status queued behind its buffered messages
     shows, and a stream the server never ended just finishes OK.
 
-Then a canary stream runs while an 8 MiB text prompt and a request with 1,000,000 stop strings
-are sent: both must be refused fast (INVALID_ARGUMENT), and the canary's worst gap should stay
-within 100 ms of its normal gap. Exits 1 if blocks leaked or admission slots are stuck.
+Each round then sends issue 24's big bodies (HTTP and gRPC, each from a process of its own)
+and a burst of 2,000 streams opened at once, while a canary streams; after each, the same
+measure. After the last round a canary stream runs while an 8 MiB text prompt and a request
+with 1,000,000 stop strings are sent: both must be refused fast (INVALID_ARGUMENT). The canary's
+worst gap should stay within 100 ms of its normal gap in every phase (reported), and RSS flat
+over the last 5 rounds (reported). Exits 1 if blocks leaked, admission slots are stuck, a
+stream ended CANCELLED that nobody cancelled, or a refusal counted past the admission limit.
 
-    python benchmarks/soak.py                      # tiny random model, 3 rounds of 300 streams
+    python benchmarks/soak.py --model default      # the bundled model, 10 rounds of 150 streams
     python benchmarks/soak.py --fake-runner        # scripted tokens: the server's own paths
     python benchmarks/soak.py --rounds 1 --streams 60 --json
 """
@@ -36,8 +40,6 @@ import random
 import shutil
 import signal
 import socket
-import statistics
-import string
 import subprocess
 import sys
 import tempfile
@@ -48,12 +50,15 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from soak_phases import STREAM_METHOD, big_body_phase, burst_phase, hostile_phase, words
+from soak_report import ENDINGS, failures, goals, print_report
 
+from asyncengine import default_model
 from asyncengine.v1 import control_pb2, control_pb2_grpc, generation_pb2_grpc
 from asyncengine.v1 import generation_pb2 as pb
 
-ENDINGS = ("complete", "cancel", "deadline", "close", "sigkill")
-STREAM_METHOD = "/asyncengine.v1.Generation/GenerateStream"
+# issue 24's table (benchmarks/big_bodies.py's default) after a small control body
+BIG_BODIES = "http_small,http_nested,http_ids,http_text,http_logit_bias,http_stop,grpc_ids"
 # a child that holds streams until it is SIGKILLed; it imports only grpc, so it starts fast,
 # and sends the request bytes it is given, so it needs no generated code
 CHILD = r"""
@@ -145,14 +150,15 @@ def serve_flags(ns: argparse.Namespace, help_text: str) -> list[str]:
 
 def start_server(
     model: str, flags: list[str], log_path: Path
-) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
+) -> tuple[subprocess.Popen[bytes], int, int]:
+    """The server, its gRPC port and its HTTP port (the big bodies go to both)."""
+    port, http_port = free_port(), free_port()
     command = [*serve_command("--fake-runner" in flags), "--model", model, "--host", "127.0.0.1",
-               "--port", str(port)]  # fmt: skip
+               "--port", str(port), "--http-port", str(http_port)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
         proc = subprocess.Popen([*command, *flags], stdout=subprocess.DEVNULL, stderr=log, env=env)
-    return proc, port
+    return proc, port, http_port
 
 
 async def wait_serving(proc: subprocess.Popen[bytes], target: str, log_path: Path) -> None:
@@ -228,11 +234,6 @@ def log_summary(log_path: Path) -> dict[str, Any]:
 
 
 # -- requests ---------------------------------------------------------------------------------
-
-
-def words(rng: random.Random, num: int) -> str:
-    vocab = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))) for _ in range(500)]
-    return " ".join(rng.choices(vocab, k=num))
 
 
 def make_request(
@@ -514,100 +515,6 @@ async def measure(
     }
 
 
-# -- the canary and the hostile requests ------------------------------------------------------
-
-
-class Canary:
-    """Greedy streams one after another; the arrival time of every message."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.errors: Counter[str] = Counter()
-        self.stop = asyncio.Event()
-
-    async def run(self, target: str, num_tokens: int) -> None:
-        request = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=list(range(3, 19))),
-            sampling=pb.SamplingOptions(temperature=0.0),
-            stopping=pb.StoppingOptions(max_new_tokens=num_tokens, ignore_eos=True),
-        )
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            while not self.stop.is_set():
-                call = stub.GenerateStream(request, timeout=600)
-                try:
-                    while (await call.read()) is not grpc.aio.EOF:
-                        self.times.append(time.perf_counter())
-                        if self.stop.is_set():
-                            call.cancel()
-                            break
-                except grpc.aio.AioRpcError as exc:
-                    self.errors[exc.code().name] += 1
-
-    def gaps(self, start: float, end: float) -> list[float]:
-        """Gaps between messages that overlap [start, end] (the one spanning `end` included)."""
-        pairs = zip(self.times, self.times[1:])
-        gaps = [b - a for a, b in pairs if b >= start and a <= end]
-        if self.times and self.times[-1] < end:
-            gaps.append(end - self.times[-1])  # still silent when the window closed
-        return gaps
-
-
-async def send_raw(channel: grpc.aio.Channel, payload: bytes, timeout_s: float) -> dict[str, Any]:
-    """Send pre-serialized GenerateRequest bytes (so serializing is not timed); status and time."""
-    method = channel.unary_stream(STREAM_METHOD)
-    started = time.perf_counter()
-    status, num_messages = "OK", 0
-    try:
-        async for _ in method(payload, timeout=timeout_s):
-            num_messages += 1
-    except grpc.aio.AioRpcError as exc:
-        status = exc.code().name
-    ended = time.perf_counter()
-    return {"status": status, "latency_s": ended - started, "messages": num_messages,
-            "bytes": len(payload), "window": (started, ended)}  # fmt: skip
-
-
-def hostile_payloads(ns: argparse.Namespace) -> dict[str, bytes]:
-    text = words(random.Random(ns.seed), (8 << 20) // 5)[: 8 << 20]
-    big = pb.GenerateRequest(text=text, stopping=pb.StoppingOptions(max_new_tokens=16))
-    stops = pb.GenerateRequest(
-        token_ids=pb.TokenIds(ids=list(range(3, 19))),
-        stopping=pb.StoppingOptions(max_new_tokens=16, ignore_eos=True),
-    )
-    stops.stopping.stop.extend(f"stop{i}" for i in range(ns.num_stops))
-    return {"big_prompt": big.SerializeToString(), "many_stops": stops.SerializeToString()}
-
-
-async def hostile_phase(target: str, ns: argparse.Namespace) -> dict[str, Any]:
-    """The canary's gaps while each hostile request is refused (or, today, served)."""
-    payloads = hostile_payloads(ns)
-    canary = Canary()
-    task = asyncio.create_task(canary.run(target, ns.canary_tokens))
-    await asyncio.sleep(ns.canary_warmup)
-    normal_from = time.perf_counter() - ns.canary_warmup / 2
-    results = {}
-    async with grpc.aio.insecure_channel(target) as channel:
-        for name, payload in payloads.items():
-            what = "8 MiB text prompt" if name == "big_prompt" else f"{ns.num_stops:,} stop strings"
-            results[name] = {"what": what, **await send_raw(channel, payload, ns.hostile_timeout)}
-            await asyncio.sleep(1.0)
-    canary.stop.set()
-    await task
-    first = min(r["window"][0] for r in results.values())
-    normal = canary.gaps(normal_from, first)
-    normal_ms = statistics.median(normal) * 1000 if normal else float("nan")
-    for result in results.values():
-        worst_ms = max(canary.gaps(*result.pop("window")), default=float("nan")) * 1000
-        result.update(latency_ms=round(result.pop("latency_s") * 1000, 1),
-                      canary_worst_gap_ms=round(worst_ms, 1),
-                      canary_excess_ms=round(worst_ms - normal_ms, 1))  # fmt: skip
-    return {"canary_gap_p50_ms": round(normal_ms, 2),
-            "canary_gap_max_normal_ms": round(max(normal, default=0) * 1000, 1),
-            "canary_messages": len(canary.times), "canary_errors": dict(canary.errors),
-            "requests": results}  # fmt: skip
-
-
 # -- rounds -----------------------------------------------------------------------------------
 
 
@@ -637,15 +544,30 @@ async def run_round(index: int, ns: argparse.Namespace, env: dict[str, Any]) -> 
                     s["on_reading_again"] not in ("OK", "silent") for s in stalled)  # fmt: skip
     row = {"round": index + 1, "streams": len(statuses), "wall_s": round(wall_s, 1), **figures,
            **peaks, "stalled_seen": num_seen, "stalled_ended": num_ended, "stalled": stalled,
-           "statuses": {e: dict(c) for e, c in by_ending.items() if c}}  # fmt: skip
+           "statuses": {e: dict(c) for e, c in by_ending.items() if c},
+           **await watched_phases(ns, env)}  # fmt: skip
     print(json.dumps(row), file=sys.stderr)
     return row
+
+
+async def watched_phases(ns: argparse.Namespace, env: dict[str, Any]) -> dict[str, Any]:
+    """The big bodies, then the burst, each followed by what the server still holds."""
+    out: dict[str, Any] = {}
+    control, target, shape, pid = env["control"], env["target"], env["shape"], env["pid"]
+    if ns.big_bodies:
+        names = ns.big_bodies.split(",")
+        out["big_bodies"] = await big_body_phase(target, env["http"], names, ns.canary_tokens)
+        out["after_big_bodies"] = await measure(control, target, shape, pid, ns)
+    if ns.burst_streams:
+        out["burst"] = await burst_phase(target, ns)
+        out["after_burst"] = await measure(control, target, shape, pid, ns)
+    return out
 
 
 async def soak(ns: argparse.Namespace, model: str, log_path: Path) -> dict[str, Any]:
     help_text = subprocess.run([*serve_command(), "--help"], capture_output=True, text=True).stdout
     flags = serve_flags(ns, help_text)
-    proc, port = start_server(model, flags, log_path)
+    proc, port, http_port = start_server(model, flags, log_path)
     target = f"127.0.0.1:{port}"
     report: dict[str, Any] = {
         "serve_flags": flags,
@@ -657,7 +579,8 @@ async def soak(ns: argparse.Namespace, model: str, log_path: Path) -> dict[str, 
             control = control_pb2_grpc.ControlStub(channel)
             info = await control.GetModelInfo(control_pb2.GetModelInfoRequest(), timeout=10)
             shape = Shape(info.vocab_size, info.max_num_seqs + info.max_queued_requests)
-            env = {"shape": shape, "target": target, "control": control, "pid": proc.pid}
+            env = {"shape": shape, "target": target, "control": control, "pid": proc.pid,
+                   "http": f"127.0.0.1:{http_port}"}  # fmt: skip
             report["rounds"] = [await run_round(i, ns, env) for i in range(ns.rounds)]
             report["hostile"] = await hostile_phase(target, ns)
             report["after_hostile"] = await measure(control, target, shape, proc.pid, ns)
@@ -678,124 +601,36 @@ async def soak(ns: argparse.Namespace, model: str, log_path: Path) -> dict[str, 
     return report
 
 
-# -- output -----------------------------------------------------------------------------------
-
-
-def failures(report: dict[str, Any]) -> list[str]:
-    """Leaked blocks or stuck admission slots, in any round or after the hostile requests."""
-    rows = [
-        *report.get("rounds", []),
-        *([report["after_hostile"]] if "after_hostile" in report else []),
-    ]
-    found = []
-    for row in rows:
-        name = f"round {row['round']}" if "round" in row else "after hostile"
-        for key in ("leaked_gpu_blocks", "leaked_cpu_blocks", "admitted", "stuck_slots"):
-            if row[key]:
-                found.append(f"{name}: {key} = {row[key]}")
-        if not row["idle"]:
-            found.append(f"{name}: the engine never went idle")
-    return found
-
-
-def print_rounds(report: dict[str, Any], ns: argparse.Namespace) -> None:
-    head = ["round", "streams", "wall s", "idle", "leaked gpu", "leaked cpu", "admitted",
-            "peak admitted", "stuck (probe)", "RSS MiB", "peak RSS", "stall seen",
-            "stall ended"]  # fmt: skip
-    table = [head]
-    for row in [*report["rounds"], {**report["after_hostile"], "round": "after hostile"}]:
-        table.append([str(c) for c in (
-            row["round"], row.get("streams", ""), row.get("wall_s", ""), row["idle"],
-            row["leaked_gpu_blocks"], row["leaked_cpu_blocks"], row["admitted"],
-            row.get("peak_admitted", ""), f"{row['stuck_slots']}/{row['slots']}", row["rss_mib"],
-            row["peak_rss_mib"], *([f"{row['stalled_seen']}/{ns.stalled}",
-            f"{row['stalled_ended']}/{ns.stalled}"] if "stalled" in row else ["", ""]),
-        )])  # fmt: skip
-    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    for cells in table:
-        print("  ".join(c.rjust(w) for c, w in zip(cells, widths)))
-
-
-def print_streams(report: dict[str, Any]) -> None:
-    print("\nstatus the client saw, per way of ending (all rounds)")
-    totals: dict[str, Counter[str]] = {e: Counter() for e in ENDINGS}
-    for row in report["rounds"]:
-        for ending, counts in row["statuses"].items():
-            totals[ending].update(counts)
-    for ending, counts in totals.items():
-        print(f"  {ending:>9}: " + ", ".join(f"{s} {n}" for s, n in counts.most_common()))
-    print("\nstalled readers: the status each had at the end of the wait; then, reading again")
-    for row in report["rounds"]:
-        groups: dict[tuple[str, str], list[int]] = {}
-        for entry in row["stalled"]:
-            status = entry["status"]
-            if "after_s" in entry:
-                status += f" after {entry['after_s']} s of stall"
-            key = (status, entry.get("on_reading_again", "-"))
-            groups.setdefault(key, []).append(entry.get("messages_then", 0))
-        parts = [f"{status} x{len(counts)}, then {again} after {min(counts)}-{max(counts)} msgs"
-                 for (status, again), counts in groups.items()]  # fmt: skip
-        print(f"  round {row['round']}: " + "; ".join(parts))
-
-
-def print_hostile(report: dict[str, Any]) -> None:
-    hostile = report["hostile"]
-    errors = f", errors {hostile['canary_errors']}" if hostile["canary_errors"] else ""
-    print(
-        f"\ncanary: {hostile['canary_messages']} messages, normal gap p50 "
-        f"{hostile['canary_gap_p50_ms']} ms (max {hostile['canary_gap_max_normal_ms']} ms){errors}"
-    )
-    for result in hostile["requests"].values():
-        goal = "met" if result["canary_excess_ms"] < 100 else "MISSED"
-        print(
-            f"  {result['what']:>22}: {result['status']} in {result['latency_ms']} ms; "
-            f"canary worst gap {result['canary_worst_gap_ms']} ms "
-            f"(+{result['canary_excess_ms']} ms beyond normal, goal < 100: {goal})"
-        )
-
-
-def print_table(report: dict[str, Any], ns: argparse.Namespace) -> None:
-    mode = "fake runner" if ns.fake_runner else "tiny model" if ns.model is None else ns.model
-    stall = (
-        f"--stall-timeout {ns.stall_timeout:g}" if report["has_stall_timeout"] else "no stall flag"
-    )
-    print(
-        f"asyncengine serve ({mode}), {ns.max_num_seqs} running + {ns.max_queued_requests} "
-        f"queued, {stall}; {ns.rounds} rounds of {ns.streams} streams + {ns.stalled} stalled"
-    )
-    print_rounds(report, ns)
-    print_streams(report)
-    print_hostile(report)
-    log = report["server_log"]
-    print(f"\nserver exit code {report['server_exit_code']}; log levels {log['levels']}")
-    print(f"  finish reasons logged: {log['finish_reasons']}")
-    if log["warnings"]:
-        print(f"  warnings/errors: {log['warnings']}")
-    found = report["failures"]
-    print("\n" + ("FAIL: " + "; ".join(found) if found else "OK: no leaked blocks, no stuck slots"))
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--model", help="HF model directory (default: a tiny random Llama)")
+    add("--model", help="HF model directory, or 'default' for the bundled default model "
+        "(default: a tiny random Llama)")  # fmt: skip
     add("--fake-runner", action="store_true", help="serve scripted tokens (no model, no logprobs)")
-    add("--rounds", type=int, default=3)
+    add("--rounds", type=int, default=10)
     add("--no-engine-process", action="store_true", help="serve with the step loop in the server")
-    add("--streams", type=int, default=300, help="streams per round")
+    add("--streams", type=int, default=150, help="streams per round")
     add("--stalled", type=int, default=10, help="stalled readers per round")
     add("--concurrency", type=int, default=16, help="in-process streams at once")
     add("--kill-streams-per-child", type=int, default=5, help="streams of each SIGKILLed child")
     add("--max-tokens", type=int, default=160, help="longest ordinary stream")
     add("--max-deadline", type=float, default=0.5, help="longest short deadline, seconds")
-    add("--stall-tokens", type=int, help="tokens of a stalled stream (default: 1000; 8000 with "
-        "--fake-runner, whose messages carry no logprobs)")  # fmt: skip
+    add("--stall-tokens", type=int, help="tokens of a stalled stream (default: 1000, or what "
+        "the model's context leaves; 8000 with --fake-runner, whose messages carry no "
+        "logprobs)")  # fmt: skip
     add("--stall-timeout", type=float, default=5.0, help="passed to serve if it has the flag")
     add("--stall-wait", type=float, help="seconds, from the stall, to wait for the server to end "
         "stalled readers (default: stall timeout + 10)")  # fmt: skip
     add("--resume-s", type=float, default=5.0, help="seconds each stalled reader then reads "
         "again, to see what the server left queued behind its window")  # fmt: skip
-    add("--canary-tokens", type=int, default=1000, help="tokens of each canary stream")
+    add("--canary-tokens", type=int, help="tokens of each canary stream (default: 1000, or what "
+        "the model's context leaves)")  # fmt: skip
+    add("--big-bodies", default=BIG_BODIES, help="bodies of benchmarks/big_bodies.py sent each "
+        "round ('' for none)")  # fmt: skip
+    add("--burst-streams", type=int, default=2000, help="streams opened at once each round")
+    add("--burst-channels", type=int, default=8, help="connections the burst is spread over")
+    add("--burst-tokens", type=int, default=64, help="tokens of each burst stream")
+    add("--burst-timeout", type=float, default=180.0, help="longest wait for the burst to end")
     add("--canary-warmup", type=float, default=2.0, help="seconds of normal canary gaps")
     add("--num-stops", type=int, default=1_000_000, help="stop strings of the hostile request")
     add("--hostile-timeout", type=float, default=60.0, help="deadline of each hostile request")
@@ -806,18 +641,36 @@ def parse_args() -> argparse.Namespace:
         "--fake-runner, for its longer stalled streams)")  # fmt: skip
     add("--cpu-blocks", type=int, default=256, help="swap blocks")
     add("--keep-log", help="copy the server's log (JSON lines) here")
+    add("--rss-noise-mib", type=float, default=20.0, help="RSS spread over the last 5 rounds "
+        "that still reads as flat")  # fmt: skip
     add("--seed", type=int, default=0)
     add("--json", action="store_true")
+    add("--report", metavar="JSON", help="print the tables of a saved --json output, run nothing")
     ns = parser.parse_args()
-    if ns.stall_tokens is None:
-        ns.stall_tokens = 8000 if ns.fake_runner else 1000
+    if ns.model == "default":
+        ns.model = default_model.path()
     if ns.gpu_blocks is None:
         ns.gpu_blocks = 8192 if ns.fake_runner else 512
     return ns
 
 
+def fit_tokens(ns: argparse.Namespace, model: str) -> None:
+    """Stalled and canary streams of 1000 tokens, or what the model's context leaves of it
+    after 128 (the bundled default model's is 512)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    room = int(config.get("max_position_embeddings", 1128)) - 128
+    if ns.stall_tokens is None:
+        ns.stall_tokens = 8000 if ns.fake_runner else min(1000, room)
+    if ns.canary_tokens is None:
+        ns.canary_tokens = min(1000, room)
+
+
 def main() -> None:
     ns = parse_args()
+    if ns.report:  # a saved run's tables, e.g. docs/benchmarks/soak_issue24.json
+        saved = json.loads(Path(ns.report).read_text())
+        print_report(saved, argparse.Namespace(**saved["config"]))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = ns.model
         if model is None:
@@ -825,19 +678,21 @@ def main() -> None:
 
             model_dir = make_random_model(Path(tmp) / "model", max_position_embeddings=16384)
             model = str(model_dir)
+        fit_tokens(ns, model)
         log_path = Path(tmp) / "server.log"
         report = asyncio.run(soak(ns, model, log_path))
         if ns.keep_log:
             shutil.copy(log_path, ns.keep_log)
     report["failures"] = failures(report)
+    report["goals"] = goals(report, ns)
     if ns.json:
-        config = {k: v for k, v in vars(ns).items() if k != "json"}
+        config = {k: v for k, v in vars(ns).items() if k not in ("json", "report")}
         print(json.dumps({"config": config, **report}, indent=2))
     elif "error" in report:
         print(f"server failed: {report['error']} (exit code {report['server_exit_code']})")
         print(report["server_log_tail"])
     else:
-        print_table(report, ns)
+        print_report(report, ns)
     sys.exit(2 if "error" in report else 1 if report["failures"] else 0)
 
 
