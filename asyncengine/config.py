@@ -93,7 +93,7 @@ class StructuredOutputsConfig:
     # compiles run in a pool of this many threads (one xgrammar thread each)
     compile_threads: int = 1
     # a caller waits this long for its grammar's compile, from its start, then gets an error
-    max_compile_s: float = 10.0
+    max_compile_s: float = 60.0
     # compiled grammars kept for reuse, least recently used evicted past this many bytes
     max_cache_bytes: int = 256 << 20
 
@@ -171,7 +171,7 @@ class EngineArgs:
     # structured outputs (docs/operations.md): compile threads (default: one per 4 CPUs, 1-4),
     # a caller's wait for its compile, and the compiled-grammar cache's bound
     grammar_compile_threads: int | None = None
-    max_grammar_compile_s: float = 10.0
+    max_grammar_compile_s: float = 60.0
     max_grammar_cache_bytes: int = 256 << 20
 
     @classmethod

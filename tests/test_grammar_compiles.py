@@ -53,7 +53,7 @@ def cpu_s(pid: int) -> float:
 
 def is_running(pid: int) -> bool:
     """Whether a thread of `pid` (other than this one) is running or waiting for a CPU: a
-    niced compile on a loaded box uses little CPU, yet it is not done."""
+    compile on a loaded box uses little CPU, yet it is not done."""
     me = str(threading.get_native_id())
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/stat") as f:
@@ -117,7 +117,7 @@ def test_callers_leaving_stop_paying_for_their_compiles(model_dir, where) -> Non
     """Six callers leaving while their grammars compile cost the engine about one compile:
     the one running when they leave runs on (xgrammar cannot stop it), the five queued behind
     it never start."""
-    # a niced compile on a loaded box takes long: no time limit here
+    # a compile on a loaded box takes long: no time limit here
     engine, pid = make_engine(model_dir, where, max_grammar_compile_s=600)
     stays = SamplingParams(max_tokens=4, structured_outputs=slow_schema("a"))
 

@@ -9,8 +9,9 @@ rules, a 512-token vocabulary) wrote 890 MB in 104 s. So each compile is bounded
 around it:
 
 - at most `compile_threads` compiles run at once, each in one pool thread (xgrammar's own
-  `max_threads` is 1, so the compile runs in that thread), at nice +10: under load the step
-  and the event loop win the CPU;
+  `max_threads` is 1, so the compile runs in that thread), at the process's priority: a
+  niced one (+10) starved on a CPU host, whose step keeps every core busy (a 1 CPU-s compile
+  took over 10 s at load 12), and one thread leaves the step the other cores;
 - a queued compile whose caller left (abort, cancel, deadline) never starts;
 - a caller waits at most `max_compile_s` from its compile's start, then gets an error naming
   its field; a compile that outlives its caller runs to its end (the spec's size, at most
@@ -21,7 +22,6 @@ around it:
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from asyncengine.engine.structured_output import CompiledConstraint
     from asyncengine.engine.validator import RequestValidator
 
-COMPILE_NICE = 10  # CFS weight 110 against the step's 1024: a compile takes what is left
 GrammarCompile = Future["CompiledConstraint | None"]
 Check = Callable[[SamplingParams], "CompiledConstraint | None"]
 
@@ -53,7 +52,6 @@ class GrammarCompiles:
         self._pool = ThreadPoolExecutor(
             config.compile_threads,
             thread_name_prefix="asyncengine-grammar",
-            initializer=_lower_priority,
         )
         self._lock = threading.Lock()
         self.num_dropped = 0  # callers left before their compile started
@@ -109,10 +107,3 @@ def _settle(outcome: GrammarCompile, check: Check, params: SamplingParams) -> No
         return
     with contextlib.suppress(InvalidStateError):
         outcome.set_result(result)
-
-
-def _lower_priority() -> None:
-    """Run this pool thread at nice +COMPILE_NICE (Linux sets nice per thread; elsewhere the
-    call fails and compiles keep the process's priority)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)

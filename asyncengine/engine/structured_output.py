@@ -167,7 +167,7 @@ class StructuredOutputManager:
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids
                 )
                 # compiled grammars are cached here, bounded by bytes, with in-flight sharing;
-                # one thread: the compile runs in its caller's (niced, bounded) pool thread
+                # one thread: the compile runs in its caller's (bounded) pool thread
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 

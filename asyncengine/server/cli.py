@@ -40,7 +40,7 @@ ENGINE_ARG_HELP = {
     "max_prompt_bytes": "a text prompt longer than this many UTF-8 bytes is refused before it "
     "is tokenized (default: 32 per token of max_model_len)",
     "grammar_compile_threads": "structured-outputs grammars compile in this many threads at "
-    "once, at a lower CPU priority than the step (default: one per 4 CPUs, 1 to 4)",
+    "once (default: one per 4 CPUs, 1 to 4)",
     "max_grammar_compile_s": "a request whose grammar has compiled for this many seconds gets "
     "an error naming its constraint field (default: %(default)s)",
     "max_grammar_cache_bytes": "compiled grammars kept for reuse, the least recently used "
