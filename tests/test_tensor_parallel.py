@@ -251,9 +251,13 @@ def test_a_worker_dying_while_the_engine_is_idle_turns_it_dead(model_dir: ModelD
 # -- no worker outlives its engine -------------------------------------------------------------
 
 _SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 import torch
 from asyncengine import LLM, SamplingParams
+
+# Ctrl-C as a terminal's foreground job has it, even where this run's SIGINT is ignored (an `&`
+# job: Python then keeps ignoring it, and the script ran to its end)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if __name__ == "__main__":  # not needed (the workers never re-run it), and still fine
     torch.set_num_threads(1)
