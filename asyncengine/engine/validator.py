@@ -146,7 +146,8 @@ class RequestValidator:
 
     def _context_is(self) -> str:
         # OpenAI's wording: litellm and other wrappers match "maximum context length"
-        return f"this model's maximum context length is {self.max_model_len} tokens"
+        # and the engine's own name of the limit, for whoever sets it
+        return f"this model's maximum context length is {self.max_model_len} tokens (max_model_len)"
 
     def _no_room_for_output(self, num_tokens: int) -> ContextLengthError:
         return ContextLengthError(
