@@ -8,6 +8,7 @@ README's own server may well be running on 50051 while its reader runs these tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,8 +24,6 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from asyncengine.testing import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -107,24 +106,42 @@ class Served:
     http: int
 
 
+def logged_ports(log: Path, process: subprocess.Popen[bytes], timeout: float = 300) -> Served:
+    """The ports of the log lines 'serving' and 'http_serving' (both flags were 0)."""
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline:
+        ports = {}
+        for line in log.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("event") in ("serving", "http_serving"):
+                    ports[record["event"]] = int(record["port"])
+        if len(ports) == 2:
+            return Served(ports["serving"], ports["http_serving"])
+        time.sleep(0.1)
+    raise AssertionError(f"the server logged no ports:\n{log.read_text()}")
+
+
 @pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     serve = code_blocks("bash")[0].strip().rsplit("&&", 1)[1].strip()
-    port, http_port = free_ports(2)
-    ports = ["--port", str(port), "--http-port", str(http_port)]
+    # port 0: the server binds free ports and logs them (none can be taken in between)
+    log = tmp_path_factory.mktemp("readme") / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        # float32, as the README's completion was made: dtype "auto" picks bfloat16 on CPUs
-        # that multiply it natively, and bf16's greedy text differs after a few words
-        [*shlex.split(serve), "--dtype", "float32", *ports],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    with log.open("wb") as log_file:
+        process = subprocess.Popen(
+            # float32, as the README's completion was made: dtype "auto" picks bfloat16 on CPUs
+            # that multiply it natively, and bf16's greedy text differs after a few words
+            [*shlex.split(serve), "--dtype", "float32", "--port", "0", "--http-port", "0"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log_file,
+        )
     try:
-        wait_serving(f"localhost:{port}", process)
-        yield Served(port, http_port)
+        ports = logged_ports(log, process)
+        wait_serving(f"localhost:{ports.grpc}", process)
+        yield ports
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)

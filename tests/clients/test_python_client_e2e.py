@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
+import json
 import subprocess
 import sys
 import time
@@ -31,30 +31,36 @@ CONTROL_TOKEN = "e2e-control-token"  # with tenant tokens, Control takes only it
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def logged_port(log: Path, server: subprocess.Popen, timeout: float) -> int:
+    """The port of the log line 'serving' (the server was started with --port 0)."""
+    deadline = time.monotonic() + timeout
+    while server.poll() is None and time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and record.get("event") == "serving":
+                    return int(record["port"])
+        time.sleep(0.05)
+    pytest.fail(f"asyncengine serve logged no port:\n{log.read_text()}")
 
 
 @pytest.fixture(scope="module")
 def target(model_dir: ModelDirFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`host:port` of an `asyncengine serve --auth-token --control-auth-token` on the tiny llama."""
-    port = free_port()
     log = tmp_path_factory.mktemp("python-client") / "serve.log"
     command = [
         sys.executable, "-m", "asyncengine.server.cli", "serve",
-        "--model", str(model_dir("llama")), "--host", "127.0.0.1", "--port", str(port),
+        "--model", str(model_dir("llama")), "--host", "127.0.0.1", "--port", "0",
         "--device", "cpu", "--torch-threads", "1", "--auth-token", TOKEN,
         "--control-auth-token", CONTROL_TOKEN,
         "--num-gpu-blocks-override", "256", "--num-cpu-blocks-override", "64",
     ]  # fmt: skip
     with log.open("wb") as log_file:
         server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-    target = f"127.0.0.1:{port}"
     try:
+        # generous: at the suite's start it comes up beside the shared servers, on 2 cores
+        target = f"127.0.0.1:{logged_port(log, server, timeout=300)}"
         with Client(target) as client:  # health needs no token
-            # generous: at the suite's start it comes up beside the shared servers, on 2 cores
             deadline = time.monotonic() + 300
             while server.poll() is None and time.monotonic() < deadline:
                 with contextlib.suppress(UnavailableError):  # not listening yet

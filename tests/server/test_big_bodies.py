@@ -18,7 +18,7 @@ import pytest
 
 from asyncengine.v1 import generation_pb2 as pb
 
-from .utils import ServerProcess, bad_field, free_port, greedy_request, stubs
+from .utils import ServerProcess, bad_field, greedy_request, stubs
 
 # the canary's normal gap is a few ms; today's main stalls it 0.45-1.4 s on these bodies on a
 # quiet machine, and the better of two tries counts (see the test)
@@ -46,12 +46,11 @@ def _big_bodies() -> Any:
 def served(
     model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServerProcess, str]]:
-    http_port = free_port()
     log_path = tmp_path_factory.mktemp("server-bodies") / "server.log"
-    server = ServerProcess(model_dir("llama"), log_path, "--http-port", str(http_port))
+    server = ServerProcess(model_dir("llama"), log_path, "--http-port", "0")
     try:
         server.wait_serving(timeout=300)
-        yield server, f"127.0.0.1:{http_port}"
+        yield server, f"127.0.0.1:{server.logged_port('http_serving')}"
     finally:
         server.stop()
 

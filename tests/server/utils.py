@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -64,14 +65,14 @@ class ServerProcess:
         root_cert: bytes | None = None,
         client_cert: tuple[bytes, bytes] | None = None,  # (key, cert)
     ) -> None:
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self.root_cert = root_cert
         self.client_cert = client_cert
         command = [
             *_serve_command(flags),
-            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
+            # port 0: the server binds a free port and logs it (a port picked here and bound
+            # there could be taken in between, by another test's server or gloo's sockets)
+            "--model", str(model_dir), "--host", "127.0.0.1", "--port", "0",
             "--device", "cpu", "--dtype", "float32", "--torch-threads", "1", *flags,
         ]  # fmt: skip
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in kill())
@@ -85,6 +86,30 @@ class ServerProcess:
         )
         _LIVE.add(self)
 
+    @functools.cached_property
+    def port(self) -> int:
+        """The gRPC port, from the log line 'serving' (waited for)."""
+        return self.logged_port("serving")
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def logged_port(self, event: str, timeout: float = 300.0) -> int:
+        """The port of the first log line `event` ('serving', 'http_serving', 'metrics_serving'),
+        waited for while the server starts."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log().splitlines():
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict) and record.get("event") == event:
+                        return int(record["port"])
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"no log line {event!r} after {timeout} s:\n{self.log()}")
+
     def channel(self, *, secure: bool | None = None, **kwargs: Any) -> grpc.Channel:
         """A sync channel; TLS with this server's root (and client cert) unless secure=False."""
         return _channel(grpc, self, secure, **kwargs)
@@ -95,6 +120,7 @@ class ServerProcess:
     def wait_serving(self, timeout: float = 120.0) -> None:
         """Poll the standard health service until it says SERVING (never sleep-and-hope)."""
         deadline = time.monotonic() + timeout
+        self.logged_port("serving", timeout)
         with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
