@@ -56,7 +56,8 @@ class ServerThread:
             engine = app.make_served_engine(self.engine_args, self.options, self._factory)
             return await app.start(engine, self.options)
 
-        self.front_ends, self.state, self.grpc_port = self.call(start(), timeout=120)
+        # generous: at the suite's start it comes up beside the other servers, on 2 cores
+        self.front_ends, self.state, self.grpc_port = self.call(start(), timeout=300)
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
         """Run `coro` on the server's loop; its result."""
