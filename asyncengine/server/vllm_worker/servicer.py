@@ -19,6 +19,7 @@ from smg_grpc_proto.generated import common_pb2
 
 import asyncengine
 from asyncengine.errors import InvalidRequestError
+from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
 from asyncengine.server.call import LOGGED_ID_LEN, Call
 from asyncengine.server.errors import (
@@ -32,6 +33,8 @@ from asyncengine.server.stream_writer import StreamWriter
 from asyncengine.server.vllm_worker import convert
 from asyncengine.server.vllm_worker.tokenizer_zip import TokenizerZip
 
+logger = get_logger(__name__)
+PROTOCOL = "smg"  # the log lines' protocol field
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 MAX_ABORT_IDS = 1024
 
@@ -56,6 +59,9 @@ class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             try:
                 call = await self._open(request, context, request_id)
             except Exception as exc:
+                if isinstance(exc, InvalidRequestError):
+                    # INVALID_ARGUMENT, which a gateway answers as a 400 and never retries
+                    logger.info("request_refused", protocol=PROTOCOL, field=exc.field)
                 await abort_rpc(context, exc)
             writer = StreamWriter(context, self._state)
             try:
@@ -82,7 +88,7 @@ class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except InvalidRequestError as exc:
             raise convert.field_error(exc, prompt_field) from None
         tenant = self._state.tenants.identity(context.invocation_metadata() or ())
-        call = Call(self._state, "smg", [request_id], tenant)
+        call = Call(self._state, PROTOCOL, [request_id], tenant)
 
         def invalid(exc: InvalidRequestError, index: int | None) -> Exception:
             return exc if index is None else convert.field_error(exc, prompt_field)
