@@ -5,10 +5,8 @@ asyncengine.v1's; only the messages differ."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
 from typing import Any
 
 import grpc
@@ -17,7 +15,6 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
-import asyncengine
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
@@ -30,7 +27,7 @@ from asyncengine.server.errors import (
 )
 from asyncengine.server.state import ServerState
 from asyncengine.server.stream_writer import StreamWriter
-from asyncengine.server.vllm_worker import convert
+from asyncengine.server.vllm_worker import convert, info
 from asyncengine.server.vllm_worker.tokenizer_zip import TokenizerZip
 
 logger = get_logger(__name__)
@@ -45,11 +42,8 @@ class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def __init__(self, state: ServerState) -> None:
         self._state = state
         self._engine = state.engine
-        self._tokenizer_zip = TokenizerZip(
-            state.engine.config.model_config.tokenizer, state.options.chat_template
-        )
-        # where a gateway on this host reads the tokenizer; one elsewhere takes GetTokenizer
-        self._tokenizer_dir = self._tokenizer_zip.local_dir()
+        self._tokenizer_zip = info.tokenizer_zip(state)
+        self._tokenizer_zip.local_dir()  # made at start-up, not on the loop at the first call
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -166,52 +160,15 @@ class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        engine = self._engine
-        model = engine.config.model_config
-        tokenizer = engine.get_tokenizer()
-        bos, pad = tokenizer.bos_token_id, tokenizer.pad_token_id
-        return pb.GetModelInfoResponse(
-            model_path=model.model,
-            is_generation=True,
-            max_context_length=model.max_model_len,
-            vocab_size=engine.vocab_size,
-            supports_vision=False,
-            served_model_name=self._state.options.served_model_name or model.model,
-            tokenizer_path=self._tokenizer_dir,
-            model_type=getattr(model.hf_config, "model_type", "") or "",
-            architectures=list(getattr(model.hf_config, "architectures", None) or []),
-            eos_token_ids=list(engine.eos_token_ids),
-            pad_token_id=pad if isinstance(pad, int) else 0,
-            bos_token_id=bos if isinstance(bos, int) else 0,
-            # a prompt leaves room for at least one generated token
-            max_req_input_len=model.max_model_len - 1,
-        )
+        return info.model_info(self._state)
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> Any:
-        config = self._engine.config
-        return pb.GetServerInfoResponse(
-            active_requests=self._state.num_admitted,
-            is_paused=self._state.is_draining,
-            last_receive_timestamp=time.time(),
-            uptime_seconds=time.monotonic() - self._state.started_at,
-            server_type="vllm-grpc",
-            data_parallel_size=1,
-            kv_cache_dtype="auto",
-            block_size=config.cache_config.block_size,
-            model_dtype=config.model_config.dtype,
-            max_num_seqs=config.scheduler_config.max_num_seqs,
-        )
+        return info.server_info(self._state)
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> Any:
-        load = convert.scheduler_load(self._engine.get_load())
-        return pb.GetLoadsResponse(
-            timestamp=datetime.now(timezone.utc).isoformat(),
-            version=asyncengine.__version__,
-            dp_rank_count=1,
-            loads=[load],
-        )
+        return info.loads(self._state)
 
     async def GetTokenizer(
         self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
