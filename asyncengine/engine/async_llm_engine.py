@@ -14,6 +14,7 @@ from asyncengine.config import EngineArgs, EngineConfig, ModelConfig
 from asyncengine.core.request import FinishReason
 from asyncengine.engine.core_client import EngineCoreClient, EngineFront, InprocClient
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
+from asyncengine.engine.load import LoadReport, ThroughputMeter, load_report
 from asyncengine.engine.messages import StepStats
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.errors import (
@@ -83,6 +84,7 @@ class AsyncLLMEngine:
         self._core_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
+        self._throughput = ThroughputMeter()
 
     @classmethod
     def from_engine_args(
@@ -174,6 +176,16 @@ class AsyncLLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()
+
+    def get_load(self) -> LoadReport:
+        """The load routers read: queues, KV tokens in use, generation rate, cache hit rate."""
+        config = self.config
+        return load_report(
+            self.get_stats(),
+            config.cache_config.block_size,
+            config.scheduler_config.max_num_seqs,
+            self._throughput.rate(),
+        )
 
     @property
     def num_requests(self) -> int:
@@ -409,6 +421,7 @@ class AsyncLLMEngine:
                 del self._streams[stream.request_id]
             self._end(stream, out)
         if step is not None:
+            self._throughput.add(step.num_generated_tokens)
             if self.observer is not None:
                 self.observer.on_step(step)
             logger.debug("step", num_outputs=len(outputs), **vars(step))

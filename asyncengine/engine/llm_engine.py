@@ -66,6 +66,7 @@ class EngineStats:
     grammar_compile_busy_s: float = 0.0  # every compile's time, whether its caller stayed
     num_grammar_compiles_dropped: int = 0  # the caller left before it started
     num_grammar_compile_timeouts: int = 0  # the caller was told it ran past the limit
+    num_waiting_prompt_tokens: int = 0  # tokens of waiting requests still to compute
 
 
 def _no_logprobs(request_id: str) -> None:
@@ -409,6 +410,9 @@ class LLMEngine:
             grammar_compile_busy_s=self.grammar_compiles.busy_s,
             num_grammar_compiles_dropped=self.grammar_compiles.num_dropped,
             num_grammar_compile_timeouts=self.grammar_compiles.num_timed_out,
+            num_waiting_prompt_tokens=sum(
+                req.num_tokens - req.num_computed_tokens for req in sched.waiting
+            ),
         )
 
 

@@ -17,6 +17,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import SERVICE_NAME as HEALTH_SERVICE_NAME
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
@@ -36,6 +37,7 @@ from asyncengine.server.servicer_generation import (
     GenerationServicer,
 )
 from asyncengine.server.state import ServerState
+from asyncengine.server.vllm_worker.servicer import VllmWorkerServicer
 from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
 
 if TYPE_CHECKING:
@@ -117,6 +119,8 @@ def build_server(state: ServerState, health: GrpcHealth) -> tuple[grpc.aio.Serve
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
     control_pb2_grpc.add_ControlServicer_to_server(ControlServicer(state), server)
+    # SMG's vLLM worker protocol, on the same port (the gateway tells it by its service name)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmWorkerServicer(state), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if options.reflection:
         enable_reflection((*SERVICE_NAMES, HEALTH_SERVICE_NAME), server)

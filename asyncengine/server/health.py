@@ -7,11 +7,13 @@ from __future__ import annotations
 from grpc_health.v1 import health, health_pb2
 
 from asyncengine.server.state import LIVENESS_SERVICE
+from asyncengine.server.vllm_worker.servicer import SERVICE_NAME as VLLM_WORKER_SERVICE
 from asyncengine.v1 import control_pb2, generation_pb2
 
 SERVICE_NAMES = (
     generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
     control_pb2.DESCRIPTOR.services_by_name["Control"].full_name,
+    VLLM_WORKER_SERVICE,
 )
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

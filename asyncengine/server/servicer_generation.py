@@ -13,7 +13,6 @@ import grpc
 import structlog
 
 from asyncengine.engine.request_stream import RequestStream
-from asyncengine.engine.timers import LazyTimer
 from asyncengine.errors import InvalidRequestError
 from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
@@ -27,6 +26,7 @@ from asyncengine.server.errors import (
     set_final_status,
 )
 from asyncengine.server.state import ServerState
+from asyncengine.server.stream_writer import StreamWriter
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
 
@@ -39,51 +39,6 @@ MAX_DETOKENIZE_SEQUENCES = 256
 # A byte-level token is at least one byte, so this bounds them before any work; counts and ids
 # (built in C) stay bounded by max_prompt_bytes only.
 MAX_DETAILED_TOKENIZE_BYTES = 65_536
-
-
-class _Writer:
-    """Writes one call's messages; a write the client does not take within the stall time
-    ends the call (its buffered output is dropped with it)."""
-
-    def __init__(self, context: grpc.aio.ServicerContext, state: ServerState) -> None:
-        self._context = context
-        self._state = state
-        self.sequence_number = 0
-        self.num_deltas = 0  # Delta messages written: output the client may have seen
-        # the call's handler: cancelled when a write waits past the stall time
-        self._task = asyncio.current_task()
-        self._stalled = False
-        self._stall_timer = LazyTimer(self._on_stall)  # one timer per call, not per write
-
-    async def write(self, msg: pb.GenerateResponse) -> None:
-        stall_s = self._state.options.stall_timeout
-        self._stall_timer.start(stall_s)
-        try:
-            await self._context.write(msg)
-        except asyncio.CancelledError:
-            if not self._stalled or self._task is None:
-                raise
-            self._task.uncancel()
-            if self._state.metrics is not None:
-                self._state.metrics.on_stalled_stream()
-            raise ClientStalledError(
-                f"the client read nothing for {stall_s:g} s (stall_timeout): the call is ended "
-                "and its unread output dropped"
-            ) from None
-        finally:
-            self._stall_timer.stop()
-
-    def _on_stall(self) -> None:
-        self._stalled = True
-        if self._task is not None:
-            self._task.cancel()
-
-    def close(self) -> None:
-        self._stall_timer.close()
-
-    def next_sequence_number(self) -> int:
-        self.sequence_number += 1
-        return self.sequence_number
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -103,7 +58,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 call, accepted = await self._open(request, context, request_id)
             except Exception as exc:
                 await abort_rpc(context, exc)
-            writer = _Writer(context, self._state)
+            writer = StreamWriter(context, self._state)
             try:
                 await self._stream(call, accepted, request.response, writer)
             except ClientStalledError as exc:
@@ -279,7 +234,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return Call(self._state, "grpc", ids, tenant, time_limit_s)
 
     async def _stream(
-        self, call: Call, accepted: pb.Accepted, options: pb.ResponseOptions, writer: _Writer
+        self, call: Call, accepted: pb.Accepted, options: pb.ResponseOptions, writer: StreamWriter
     ) -> None:
         """Accepted, then Delta and Heartbeat messages, then Finished per sample and Usage."""
         (stream,) = call.streams
@@ -319,7 +274,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         token_offset: int,
         options: pb.ResponseOptions,
         num_top: int | None,
-        writer: _Writer,
+        writer: StreamWriter,
     ) -> list[pb.Delta]:
         """One DELTA output as Delta messages of at most MAX_TOKENS_PER_DELTA tokens each."""
         if not completion.text and not completion.token_ids:

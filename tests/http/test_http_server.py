@@ -183,6 +183,25 @@ def test_a_body_over_the_message_size_is_refused_unread(guarded: ServerThread) -
     assert status == 200
 
 
+def test_the_routes_http_mode_routers_probe(fake: ServerThread) -> None:
+    """SMG's HTTP mode and sglang-router read the model, the server and its load here."""
+    url = fake.base_url
+    for path in ("/get_model_info", "/model_info"):
+        status, _, body = get(url + path)
+        model = json.loads(body)
+        assert status == 200 and model["is_generation"] is True
+        assert model["max_context_length"] > 0 and model["tokenizer_path"], model
+    for path in ("/get_server_info", "/server_info"):
+        status, _, body = get(url + path)
+        server = json.loads(body)
+        assert status == 200 and server["is_paused"] is False and server["block_size"] > 0
+    for path in ("/get_load", "/v1/loads", "/loads"):
+        status, _, body = get(url + path)
+        (load,) = json.loads(body)["loads"]
+        assert status == 200 and load["max_total_num_tokens"] > 0, load
+        assert load["num_running_reqs"] == 0 and load["token_usage"] == 0
+
+
 def test_health_version_tokenize_detokenize_metrics(fake: ServerThread) -> None:
     url = fake.base_url
     assert get(url + "/health")[0] == 200

@@ -34,6 +34,7 @@ from asyncengine.server.http.errors import (
     error_response,
 )
 from asyncengine.server.state import ServerState
+from asyncengine.server.vllm_worker import info
 
 _HANDLED = (
     InvalidRequestError,
@@ -103,6 +104,27 @@ def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
         return card()
 
 
+def _add_router_routes(app: FastAPI, state: ServerState) -> None:
+    """What HTTP-mode routers (SMG, sglang-router) probe: the gRPC worker service's model,
+    server and load facts as JSON, under each name they ask for."""
+
+    async def model_info() -> dict[str, Any]:
+        return info.as_json(info.model_info(state))
+
+    async def server_info() -> dict[str, Any]:
+        return info.as_json(info.server_info(state))
+
+    async def loads() -> dict[str, Any]:
+        return info.as_json(info.loads(state))
+
+    for path in ("/get_model_info", "/model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+    for path in ("/get_load", "/get_loads", "/v1/loads", "/loads"):
+        app.add_api_route(path, loads, methods=["GET"])
+
+
 def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
     """Health, version and metrics for probes and scrapers; vLLM's tokenizer routes."""
     state = ctx.state
@@ -121,6 +143,8 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": asyncengine.__version__}
+
+    _add_router_routes(app, state)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
