@@ -5,7 +5,8 @@ A body is split into its top-level fields without building them (msgspec's `Raw`
 objects), each field the route reads is measured against a bound derived from the engine's
 limits, and only then decoded and validated. A batch of prompts is decoded one prompt at a
 time, so a worker thread gives the loop the GIL between prompts: no single decode of an
-accepted body holds it for long. Fields a route does not read are never decoded.
+accepted body holds it for long. Fields a route does not read are never decoded: their names
+are logged, once each (`fields.IGNORED_FIELDS`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from starlette.requests import Request
 from asyncengine import sampling_params as sp
 from asyncengine.server.http import protocol
 from asyncengine.server.http.errors import BodyTooLargeError, InvalidParamError
+from asyncengine.server.http.fields import IGNORED_FIELDS
 from asyncengine.server.state import ServerState
 
-M = TypeVar("M", bound=pydantic.BaseModel)
+M = TypeVar("M", bound=protocol.Lenient)
 
 # a body this small is decoded on the loop: well under a millisecond
 INLINE_BYTES = 64 * 1024
@@ -38,6 +40,8 @@ ESCAPED_BYTES_PER_CHAR = 6
 MAX_MESSAGES = 4096
 # what any other field may take: a number, a flag, a short name
 OTHER_FIELD_BYTES = 64 * 1024
+# names of fields a body carries that its route does not read, kept to be logged
+MAX_UNDECLARED = 64
 _STRUCTURE_BYTES = 64 * 1024  # a message's or a schema's keys and punctuation
 _ROOT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ANY = msgspec.json.Decoder()
@@ -71,6 +75,8 @@ class BodyBounds:
             "logit_bias": sp.MAX_LOGIT_BIAS * 64,  # "12345": -100.0, with room to spare
             "response_format": constraint,
             "structured_outputs": constraint + sp.MAX_CHOICES * sp.MAX_CHOICE_LEN * 6,
+            **dict.fromkeys(("guided_json", "guided_regex", "guided_grammar"), constraint),
+            "guided_choice": sp.MAX_CHOICES * (sp.MAX_CHOICE_LEN * 6 + 4),
             "tools": constraint,
         }
         return cls(state.options.max_message_size, field_bytes, max_prompts, max(text, ids))
@@ -96,8 +102,11 @@ async def parse_body(request: Request, model: type[M], bounds: BodyBounds) -> M:
     """The body as `model`, bounded and decoded off the loop when it is not small."""
     body = await read_body(request, bounds.max_body_bytes)
     if len(body) <= INLINE_BYTES:
-        return decode(body, model, bounds)
-    return await asyncio.to_thread(decode, body, model, bounds)
+        parsed = decode(body, model, bounds)
+    else:
+        parsed = await asyncio.to_thread(decode, body, model, bounds)
+    IGNORED_FIELDS.report(parsed)  # on the loop: the names seen are its own
+    return parsed
 
 
 def decode(body: bytes | bytearray, model: type[M], bounds: BodyBounds) -> M:
@@ -112,9 +121,12 @@ def decode(body: bytes | bytearray, model: type[M], bounds: BodyBounds) -> M:
         named = surrogate_error(body)
         raise named or _invalid_json(f"the body is not a valid JSON object: {exc}") from None
     values: dict[str, Any] = {}
+    undeclared: list[str] = []
     for name, raw in fields.items():
         if name not in model.model_fields:
-            continue  # ignored, as OpenAI-compatible servers ignore what they do not know
+            if len(undeclared) < MAX_UNDECLARED:
+                undeclared.append(name)  # left out, and logged
+            continue
         limit = bounds.field_bytes.get(name, OTHER_FIELD_BYTES)
         if len(raw) > limit:
             raise InvalidParamError(name, f"is over {limit} bytes of JSON")
@@ -131,6 +143,7 @@ def decode(body: bytes | bytearray, model: type[M], bounds: BodyBounds) -> M:
             parsed.prompt = _validated_prompts(batch)  # type: ignore[attr-defined]
         else:
             setattr(parsed, name, _validated_elements(name, batch))
+    parsed._undeclared = undeclared
     return parsed
 
 

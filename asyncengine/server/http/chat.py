@@ -26,6 +26,7 @@ from asyncengine.server.http.call import (
     request_id_of,
 )
 from asyncengine.server.http.errors import InvalidParamError, UnsupportedParamError
+from asyncengine.server.http.fields import check_supported, constraint
 from asyncengine.server.http.params import (
     CHAT_PARAMS,
     chat_logprobs,
@@ -34,12 +35,22 @@ from asyncengine.server.http.params import (
     sampling_params,
 )
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+_RESERVED_KWARGS = frozenset(
+    {"conversation", "chat_template", "add_generation_prompt", "tokenize", "tools", "documents"}
+)
+
 
 async def render_chat(
-    ctx: HttpContext, messages: list[protocol.ChatMessage], add_generation_prompt: bool
+    ctx: HttpContext,
+    messages: list[protocol.ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """The prompt's token ids: the messages rendered by the chat template (transformers'
-    `apply_chat_template`, off the event loop), encoded without adding special tokens again."""
+    `apply_chat_template`, off the event loop, `template_kwargs` its variables), encoded
+    without adding special tokens again unless `add_special_tokens` (vLLM's default)."""
     tokenizer = ctx.engine.get_tokenizer()
     template = ctx.chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
@@ -55,6 +66,10 @@ async def render_chat(
     # measured before rendering: the template's work grows with what it is given
     if sum(len(str(m.get("content") or "")) for m in conversation) > max_bytes:
         raise InvalidParamError("messages", f"more than {max_bytes} characters of content")
+    kwargs = dict(template_kwargs or {})  # bounded by its JSON bytes (body.py)
+    reserved = sorted(_RESERVED_KWARGS & set(kwargs))
+    if reserved:
+        raise InvalidParamError(f"chat_template_kwargs.{reserved[0]}", "is set by the server")
     try:
         text = await asyncio.to_thread(
             tokenizer.apply_chat_template,
@@ -62,6 +77,7 @@ async def render_chat(
             chat_template=template,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
+            **kwargs,
         )
     except TemplateError as exc:
         raise InvalidParamError("messages", f"the chat template failed: {exc}") from None
@@ -69,7 +85,7 @@ async def render_chat(
         raise InvalidParamError(
             "messages", f"renders to more than {max_bytes} bytes (max_prompt_bytes)"
         )
-    encoded = await ctx.engine.tokenize(str(text), add_special_tokens=False)
+    encoded = await ctx.engine.tokenize(str(text), add_special_tokens=add_special_tokens)
     return list(encoded["input_ids"])
 
 
@@ -96,20 +112,28 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     if body.tools:
         raise UnsupportedParamError("tools", "tool calling is not supported")
+    check_supported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidParamError("top_logprobs", "needs logprobs: true")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    table = CHAT_PARAMS
+    constrained = constraint(body)
+    table = {**CHAT_PARAMS, **constrained.names}
     max_tokens = body.max_tokens
     if body.max_completion_tokens is not None:  # OpenAI's newer name wins
         max_tokens = body.max_completion_tokens
-        table = {**CHAT_PARAMS, "max_tokens": "max_completion_tokens"}
+        table["max_tokens"] = "max_completion_tokens"
     kind = RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY
     try:
-        params = sampling_params(body, max_tokens, num_top, kind)
+        params = sampling_params(body, max_tokens, num_top, kind, constrained.params)
     except InvalidRequestError as exc:
         raise param_error(exc, table) from None
-    prompt = await render_chat(ctx, body.messages, body.add_generation_prompt)
+    prompt = await render_chat(
+        ctx,
+        body.messages,
+        body.add_generation_prompt,
+        body.add_special_tokens,
+        body.chat_template_kwargs,
+    )
     request_id, response_id = request_id_of(request, "chatcmpl")
     call = await open_call(
         ctx, request_id, tenant, table, [prompt], params, body.priority, body.cache_salt

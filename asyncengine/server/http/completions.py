@@ -25,6 +25,7 @@ from asyncengine.server.http.call import (
     request_id_of,
 )
 from asyncengine.server.http.errors import UnsupportedParamError
+from asyncengine.server.http.fields import check_supported, constraint
 from asyncengine.server.http.params import (
     COMPLETION_PARAMS,
     completion_logprobs,
@@ -44,6 +45,8 @@ class _Plan:
     num_top: int | None  # logprobs=k
     echo: bool
     is_echo_only: bool  # echo with max_tokens 0: the prompt alone, nothing generated
+    skip_special_tokens: bool
+    texts: list[str | None]  # per prompt: its text as given (None: token ids)
     # per choice of a stream: whether the prompt went out yet, and the text sent so far
     echoed: set[int] = field(default_factory=set)
     offsets: dict[int, int] = field(default_factory=dict)
@@ -60,6 +63,9 @@ async def create_completion(
         raise UnsupportedParamError("suffix", "is not supported")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise UnsupportedParamError("best_of", "is supported only equal to n")
+    check_supported(body)
+    constrained = constraint(body)
+    table = {**COMPLETION_PARAMS, **constrained.names}
     prompts = check_prompt_list(body.prompt, "prompt")
     echo = bool(body.echo)
     is_echo_only = echo and body.max_tokens == 0
@@ -72,14 +78,27 @@ async def create_completion(
             1 if is_echo_only else body.max_tokens,
             body.logprobs,
             kind,
+            constrained.params,
             prompt_logprobs=body.logprobs if echo else None,
         )
     except InvalidRequestError as exc:
-        raise param_error(exc, COMPLETION_PARAMS) from None
+        raise param_error(exc, table) from None
     request_id, response_id = request_id_of(request, "cmpl")
-    plan = _Plan(response_id, int(time.time()), params.n, body.logprobs, echo, is_echo_only)
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    plan = _Plan(
+        response_id,
+        int(time.time()),
+        params.n,
+        body.logprobs,
+        echo,
+        is_echo_only,
+        body.skip_special_tokens,
+        texts,
+    )
+    if not body.add_special_tokens:
+        prompts = await _encoded_as_they_are(ctx, prompts)
     call = await open_call(
-        ctx, request_id, tenant, COMPLETION_PARAMS, prompts, params, body.priority, body.cache_salt
+        ctx, request_id, tenant, table, prompts, params, body.priority, body.cache_salt
     )
     headers = {"x-request-id": request_id}
     if body.stream:
@@ -90,7 +109,8 @@ async def create_completion(
         return Response(status_code=499)  # nobody reads it; the requests are aborted
     choices = []
     for prompt_index, (final, stream) in enumerate(zip(finals, call.streams)):
-        prompt_text = await _prompt_text(ctx, stream.prompt, stream.prompt_token_ids, echo)
+        text = plan.texts[prompt_index]
+        prompt_text = await _prompt_text(ctx, text, stream.prompt_token_ids, echo)
         for completion in final.outputs:
             index = prompt_index * plan.num_samples + completion.index
             choices.append(await _choice(ctx, plan, index, final, completion, prompt_text))
@@ -102,6 +122,24 @@ async def create_completion(
         usage=call_usage(call, 0 if is_echo_only else None),
     )
     return Response(response.model_dump_json(), media_type="application/json", headers=headers)
+
+
+async def _encoded_as_they_are(
+    ctx: HttpContext, prompts: list[str | list[int]]
+) -> list[str | list[int]]:
+    """Text prompts as token ids without the special tokens the tokenizer would add
+    (`add_special_tokens: false`); token ids stay as given. Each text is bounded first."""
+    encoded: list[str | list[int]] = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            try:
+                ids = await ctx.engine.tokenize(prompt, add_special_tokens=False)
+            except InvalidRequestError as exc:
+                prefix = f"prompt[{index}]:" if len(prompts) > 1 else ""
+                raise param_error(exc, {"text": "prompt"}, prefix) from None
+            prompt = list(ids["input_ids"])
+        encoded.append(prompt)
+    return encoded
 
 
 async def _prompt_text(ctx: HttpContext, text: str | None, token_ids: list[int], echo: bool) -> str:
@@ -123,17 +161,20 @@ async def _choice(
     """One choice of a whole (not streamed) response."""
     token_ids: list[int] = []
     entries: list[Logprobs | None] = []
+    hidden: list[bool] = []
     if plan.echo:
         token_ids += final.prompt_token_ids
         entries += final.prompt_logprobs or [None] * len(final.prompt_token_ids)
+        hidden += await ctx.texts.hidden_in(prompt_text, final.prompt_token_ids)
     text = prompt_text
     if not plan.is_echo_only:
         text += completion.text
         token_ids += completion.token_ids
         entries += completion.logprobs or []
+        hidden += ctx.texts.skipped(completion.token_ids, plan.skip_special_tokens)
     logprobs = None
     if plan.num_top is not None:
-        logprobs = await completion_logprobs(ctx.texts, token_ids, entries, plan.num_top, 0)
+        logprobs = await completion_logprobs(ctx.texts, token_ids, entries, plan.num_top, 0, hidden)
     return protocol.CompletionChoice(
         index=index,
         text=text,
@@ -196,16 +237,21 @@ async def _delta_choice(
     text = ""
     token_ids: list[int] = []
     entries: list[Logprobs | None] = []
+    hidden: list[bool] = []
     if plan.echo and index not in plan.echoed:
         plan.echoed.add(index)
-        prompt = await _prompt_text(ctx, out.prompt, out.prompt_token_ids, True)
+        given = plan.texts[prompt_index]
+        prompt = await _prompt_text(ctx, given, out.prompt_token_ids, True)
         text, token_ids = prompt, list(out.prompt_token_ids)
         scores = plan.prompt_logprobs.get(prompt_index)
         entries = list(scores or [None] * len(token_ids))
+        if plan.num_top is not None:
+            hidden = await ctx.texts.hidden_in(prompt, token_ids)
     if not plan.is_echo_only:
         text += completion.text
         token_ids += completion.token_ids
         entries += completion.logprobs or []
+        hidden += ctx.texts.skipped(completion.token_ids, plan.skip_special_tokens)
     finish = completion.finish
     # tokens without text yet (a character still incomplete) say something only as logprobs
     if not text and finish is None and (plan.num_top is None or not token_ids):
@@ -213,8 +259,11 @@ async def _delta_choice(
     logprobs = None
     if plan.num_top is not None:
         offset = plan.offsets.get(index, 0)
-        logprobs = await completion_logprobs(ctx.texts, token_ids, entries, plan.num_top, offset)
-        plan.offsets[index] = offset + sum(len(token) for token in logprobs.tokens)
+        logprobs = await completion_logprobs(
+            ctx.texts, token_ids, entries, plan.num_top, offset, hidden
+        )
+        shown = (t for t, is_hidden in zip(logprobs.tokens, hidden) if not is_hidden)
+        plan.offsets[index] = offset + sum(len(token) for token in shown)
     if plan.is_echo_only and finish is not None:
         return protocol.CompletionChoice(
             index=index, text=text, logprobs=logprobs, finish_reason="length"

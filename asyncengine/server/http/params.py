@@ -3,7 +3,6 @@ errors, finish reasons and logprobs. No HTTP here and no checks of values: the e
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
@@ -42,8 +41,7 @@ COMPLETION_PARAMS = {
     "logprobs": "logprobs",
     "prompt_logprobs": "logprobs",  # echo scores the prompt with the same k
     "skip_special_tokens": "skip_special_tokens",
-    # a constraint comes from response_format or structured_outputs: the engine names the
-    # latter's fields (structured_outputs.json, ...), which say what was wrong either way
+    # a constraint's fields (structured_outputs.regex, ...) are named by fields.constraint
 }
 CHAT_PARAMS = {
     **COMPLETION_PARAMS,
@@ -90,9 +88,11 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     output_kind: RequestOutputKind,
+    structured_outputs: StructuredOutputsParams | None,
     prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """The engine's parameters for a request (OpenAI's defaults for the fields left out).
+    """The engine's parameters for a request (OpenAI's defaults for the fields left out);
+    `structured_outputs` is `fields.constraint`'s.
 
     A bad value raises the engine's `InvalidRequestError`; `param_error` names the field.
     """
@@ -118,42 +118,8 @@ def sampling_params(
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
         output_kind=output_kind,
-        structured_outputs=structured_outputs(request),
+        structured_outputs=structured_outputs,
     )
-
-
-def structured_outputs(
-    request: protocol.CompletionRequest | protocol.ChatRequest,
-) -> StructuredOutputsParams | None:
-    """The constraint of OpenAI's `response_format` (`json_schema`, `json_object`) or of
-    vLLM's `structured_outputs` extra (its fields as they are); at most one of the two."""
-    response_format, extra = request.response_format, request.structured_outputs or {}
-    kind = (response_format or {}).get("type", "text")
-    unknown = sorted(set(extra) - _STRUCTURED_FIELDS)
-    if unknown:
-        raise InvalidParamError("structured_outputs", f"unknown fields {unknown[:4]}")
-    # beside a response_format, structured_outputs may carry only its options (whitespace)
-    options = {k: v for k, v in extra.items() if k == "disable_any_whitespace"}
-    if kind == "text":
-        return StructuredOutputsParams(**extra) if extra else None
-    if len(options) != len(extra):
-        raise InvalidParamError("structured_outputs", "give response_format or this, not both")
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True, **options)
-    if kind == "json_schema":
-        json_schema = (response_format or {}).get("json_schema")
-        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
-        if schema is None:
-            raise InvalidParamError(
-                "response_format.json_schema.schema", "a json_schema response format needs one"
-            )
-        return StructuredOutputsParams(json=schema, **options)
-    raise InvalidParamError(
-        "response_format.type", f"must be text, json_object or json_schema, got {kind!r}"
-    )
-
-
-_STRUCTURED_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
 
 
 def _or(value: float | None, default: float) -> float:
@@ -183,6 +149,7 @@ class TokenTexts:
         self._engine = engine
         self._tokenizer = engine.get_tokenizer()
         self._texts: dict[int, str] = {}
+        self.special_ids = frozenset(getattr(self._tokenizer, "all_special_ids", ()))
 
     async def __call__(self, token_ids: list[int]) -> list[str]:
         missing = sorted({t for t in token_ids if t not in self._texts})
@@ -203,6 +170,22 @@ class TokenTexts:
     def text(self, token_id: int) -> str:
         return self._texts[token_id]
 
+    async def hidden_in(self, text: str, token_ids: list[int]) -> list[bool]:
+        """Which of `token_ids`, whose text is `text`, show nothing in it: the special tokens
+        a tokenizer adds to a text prompt (its BOS), which the prompt's text never held."""
+        await self(token_ids)
+        hidden, at = [], 0
+        for token_id in token_ids:
+            token = self._texts[token_id]
+            is_hidden = token_id in self.special_ids and not text.startswith(token, at)
+            hidden.append(is_hidden)
+            at += 0 if is_hidden else len(token)
+        return hidden
+
+    def skipped(self, token_ids: list[int], skip_special_tokens: bool) -> list[bool]:
+        """Which of a sample's `token_ids` its text leaves out (`skip_special_tokens`)."""
+        return [skip_special_tokens and t in self.special_ids for t in token_ids]
+
 
 def clamp(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
@@ -220,16 +203,18 @@ async def completion_logprobs(
     entries: list[Logprobs | None],
     num_top: int,
     text_offset: int,
+    hidden: list[bool],
 ) -> protocol.CompletionLogprobs:
     """OpenAI's legacy logprobs of tokens whose text starts at `text_offset` in the choice's
-    text. An entry of None (the first prompt token: nothing before it) scores nothing."""
+    text; a token `hidden` from that text (a BOS, a skipped special token) takes up none of
+    it. An entry of None (the first prompt token: nothing before it) scores nothing."""
     await texts.of_entries(token_ids, entries)
     out = protocol.CompletionLogprobs()
-    for token_id, entry in zip(token_ids, entries):
+    for token_id, entry, is_hidden in zip(token_ids, entries, hidden, strict=True):
         token = texts.text(token_id)
         out.tokens.append(token)
         out.text_offset.append(text_offset)
-        text_offset += len(token)
+        text_offset += 0 if is_hidden else len(token)
         if entry is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)

@@ -2,27 +2,43 @@
 
 Requests are typed loosely on purpose (a number is a number, a range is not checked here):
 the engine checks every value once and names the field, and `params.py` translates the name.
-Fields OpenAI defines that are not listed are ignored, as OpenAI-compatible servers do.
+No field passes in silence: each one declared here is honoured, or refused (`unsupported`:
+any value but the one that asks for nothing is a 400 naming it); any other is logged once
+as ignored (`fields.py`), whether vLLM takes it (`ignored`) or nobody does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 TokenIds = list[int]
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
+    """A request body: fields not declared are left out (and logged by fields.py)."""
+
     model_config = ConfigDict(extra="ignore")
 
+    endpoint: ClassVar[str] = ""  # the route, as the log of ignored fields names it
+    # vLLM's fields this server takes and deliberately does nothing with (logged once each)
+    ignored: ClassVar[frozenset[str]] = frozenset()
+    unsupported: ClassVar[dict[str, object]] = {}
+    # the top-level fields of the body that no field here declares (set by body.decode)
+    _undeclared: list[str] = PrivateAttr(default_factory=list)
 
-class StreamOptions(_Lenient):
+    @property
+    def undeclared(self) -> list[str]:
+        return self._undeclared
+
+
+class StreamOptions(Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: refused when true (params.check_supported)
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(Lenient):
     """What completions and chat both take: OpenAI's fields, then vLLM's extras."""
 
     model: str | None = None
@@ -34,7 +50,6 @@ class _SamplingFields(_Lenient):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     # vLLM's extras
@@ -48,26 +63,81 @@ class _SamplingFields(_Lenient):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
-    # a constraint on the output: OpenAI's response_format, or vLLM's structured_outputs
+    # a constraint on the output: OpenAI's response_format, vLLM's structured_outputs, or
+    # vLLM's older guided_* fields (fields.py: at most one of them)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    # vLLM's fields this server refuses unless they ask for nothing (`unsupported`)
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    truncate_prompt_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    prompt_logprobs: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    structural_tag: Any = None
+    guided_whitespace_pattern: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+
+    ignored: ClassVar[frozenset[str]] = frozenset(
+        {
+            "user",  # OpenAI's end-user id: nothing here is per user
+            "request_id",  # the x-request-id header names a request here
+            "mm_processor_kwargs",  # text-only models
+        }
+    )
+    # a field's value that asks for nothing (None, [] and {} do too); any other is refused
+    unsupported: ClassVar[dict[str, object]] = {
+        "use_beam_search": False,
+        "length_penalty": 1.0,
+        "allowed_token_ids": None,
+        "bad_words": None,
+        "logits_processors": None,
+        "truncate_prompt_tokens": None,
+        "spaces_between_special_tokens": True,
+        "prompt_logprobs": None,
+        "return_tokens_as_token_ids": False,
+        "return_token_ids": False,
+        "structural_tag": None,
+        "guided_whitespace_pattern": None,
+        "kv_transfer_params": None,
+        "vllm_xargs": None,
+    }
 
 
 class CompletionRequest(_SamplingFields):
+    endpoint: ClassVar[str] = "/v1/completions"
+
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's: BOS (or what the tokenizer adds) before a text prompt; token ids stay as given
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
+    unsupported: ClassVar[dict[str, object]] = {
+        **_SamplingFields.unsupported,
+        "prompt_embeds": None,
+    }
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     model_config = ConfigDict(extra="allow")  # tool calls, names: the template may use them
 
     # OpenAI's roles: another is a 400 naming `messages.N.role`, not a prompt the template mangles
@@ -76,6 +146,13 @@ class ChatMessage(_Lenient):
 
 
 class ChatRequest(_SamplingFields):
+    endpoint: ClassVar[str] = "/v1/chat/completions"
+    ignored: ClassVar[frozenset[str]] = _SamplingFields.ignored | {
+        "parallel_tool_calls",  # no tools here (`tools` is refused)
+        "reasoning_effort",
+        "include_reasoning",
+    }
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -84,9 +161,30 @@ class ChatRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: special tokens encoded on top of the template's text (which has its own BOS)
+    add_special_tokens: bool = False
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    echo: Any = None
+    continue_final_message: Any = None
+    documents: Any = None
+    chat_template: Any = None  # a template from the caller: only --chat-template's is run
+    unsupported: ClassVar[dict[str, object]] = {
+        **_SamplingFields.unsupported,
+        "tool_choice": "none",
+        "functions": None,
+        "function_call": None,
+        "echo": False,
+        "continue_final_message": False,
+        "documents": None,
+        "chat_template": None,
+    }
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
+    endpoint: ClassVar[str] = "/tokenize"
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -95,7 +193,9 @@ class TokenizeRequest(_Lenient):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
+    endpoint: ClassVar[str] = "/detokenize"
+
     model: str | None = None
     tokens: TokenIds
 
