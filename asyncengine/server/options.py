@@ -61,14 +61,29 @@ class ServeOptions:
 
 
 def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
-    """ServeOptions from parsed flags (serve_flags.py) and the token environment variables."""
+    """ServeOptions from parsed flags (serve_flags.py) and the token environment variables.
+
+    Without --served-model-name the name is the default of the --model value as given (a hub
+    id stays itself; its download's directory is named by a commit hash).
+    """
     envs = {"auth_tokens": "ASYNCENGINE_AUTH_TOKENS",
             "control_auth_tokens": "ASYNCENGINE_CONTROL_AUTH_TOKENS"}  # fmt: skip
     fields = [f.name for f in dataclasses.fields(ServeOptions)]
     values = {name: getattr(ns, name) for name in fields if name not in envs}
     for name, env_name in envs.items():  # repeated flags, named in the singular (--auth-token)
         values[name] = _tokens(getattr(ns, name.removesuffix("s")), env_name)
+    if values["served_model_name"] is None and getattr(ns, "model", None):
+        values["served_model_name"] = default_served_model_name(ns.model)
     return ServeOptions(**values)
+
+
+def default_served_model_name(model: str) -> str:
+    """The name a model is served under without --served-model-name: a local directory's own
+    name (`/models/llama-3-8b/` -> `llama-3-8b`), as a hub id's last part names the model; any
+    other value (a hub id, `org/name`) as given, as vLLM serves it."""
+    if os.path.isdir(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
 
 
 def parse_auth_token(value: str) -> tuple[str | None, str]:
