@@ -192,8 +192,8 @@ async def start(
     await front_ends.start()
     logger.info(
         "serving", host=options.host, port=front_ends.port, model=state.model_name,
-        tls=bool(options.tls_cert),
-        mtls=bool(options.tls_client_ca), auth=bool(options.auth_tokens),
+        tls=bool(options.tls_cert), mtls=bool(options.tls_client_ca),
+        auth=bool(options.auth_tokens),
     )  # fmt: skip
     return front_ends, state, front_ends.port
 
