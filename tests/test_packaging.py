@@ -223,11 +223,13 @@ def test_a_built_wheel_installed_without_e_serves_its_default_model(tmp_path: Pa
     # the client's asyncengine is the wheel's, and so is the server's: the bundled default model
     # it serves is found beside the package it imported
     assert Path(reply["file"]).is_relative_to(site_packages), reply["file"]
-    assert Path(reply["model"]) == site_packages / "asyncengine" / "default_model", reply["model"]
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    (started,) = [r for r in records if r.get("event") == "engine_started"]
+    assert Path(started["model"]) == site_packages / "asyncengine" / "default_model", started
+    assert reply["model"] == "default_model"  # served under its directory's name
     assert reply["events"][0] == "accepted" and reply["events"][-2:] == ["finished", "usage"]
     assert len(reply["token_ids"]) == 4, reply
     assert returncode == 0, log.read_text()
     if cpu_ops.is_loaded():  # the wheel ships these C++ sources, so it loads their cached build
-        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         (ready,) = [r for r in records if r.get("event") == "cpu_ops_ready"]
         assert ready["was_built"] is False, ready

@@ -186,7 +186,7 @@ async def start(
     front_ends = FrontEnds(state)
     if options.metrics_port is not None or options.http_port is not None:
         # one registry, on --metrics-port and on the HTTP API's /metrics alike
-        state.metrics = ServerMetrics(engine, state.abort_reason_of)
+        state.metrics = ServerMetrics(engine, state.abort_reason_of, state.model_name)
         engine.observer = state.metrics
     if options.metrics_port is not None:
         assert state.metrics is not None
@@ -195,8 +195,9 @@ async def start(
         logger.info("metrics_serving", host=host, port=metrics_port, path="/metrics")
     await front_ends.start()
     logger.info(
-        "serving", host=options.host, port=front_ends.port, tls=bool(options.tls_cert),
-        mtls=bool(options.tls_client_ca), auth=bool(options.auth_tokens),
+        "serving", host=options.host, port=front_ends.port, model=state.model_name,
+        tls=bool(options.tls_cert), mtls=bool(options.tls_client_ca),
+        auth=bool(options.auth_tokens),
     )  # fmt: skip
     return front_ends, state, front_ends.port
 

@@ -5,78 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from asyncengine.config import EngineArgs
 from asyncengine.errors import KVCacheSizingError
 from asyncengine.logging import configure_logging, default_log_level
-from asyncengine.server.options import add_serve_args
+from asyncengine.server.engine_flags import add_engine_args, engine_args_from
+from asyncengine.server.serve_flags import OBSERVABILITY, add_serve_args
 
 if TYPE_CHECKING:
     from asyncengine.server.app import EngineFactory
-
-# what each EngineArgs field does, for --help (defaults are printed from EngineArgs itself)
-ENGINE_ARG_HELP = {
-    "model": "local Hugging Face model directory, or hub id where a network exists (default: "
-    "the small model bundled with asyncengine)",
-    "tokenizer": "tokenizer directory when it differs from --model",
-    "dtype": "weights and KV cache dtype: auto, float32, float16, bfloat16 (auto on a CPU: "
-    "bfloat16 where it multiplies bf16 natively, AMX-BF16 or AVX512-BF16, else float32)",
-    "device": "auto, cuda or cpu",
-    "seed": "seed of the engine's random state, for requests without a seed of their own",
-    "block_size": "tokens per KV cache block: a power of two in [8, 1024]",
-    "gpu_memory_utilization": "fraction of device memory the model and KV cache may use",
-    "swap_space": "GiB of CPU memory for swapped-out KV blocks",
-    "num_gpu_blocks_override": "use exactly this many device KV blocks instead of profiling",
-    "num_cpu_blocks_override": "use exactly this many CPU swap blocks",
-    "max_num_seqs": "most requests running in one step",
-    "max_num_batched_tokens": "token budget of one step (default: max(2048, max_num_seqs))",
-    "max_model_len": "context length (default: the model's max_position_embeddings)",
-    "preemption_mode": "auto, swap or recompute: what happens to a preempted request's KV",
-    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "attention_backend": "auto, torch or triton",
-    "expected_concurrency": "the peak of concurrent requests you expect: a warning at start-up "
-    "if max_num_seqs is far from 1.2-1.5x it (default: no check)",
-    "max_prompt_bytes": "a text prompt longer than this many UTF-8 bytes is refused before it "
-    "is tokenized (default: 32 per token of max_model_len)",
-    "grammar_compile_threads": "structured-outputs grammars compile in this many threads at "
-    "once (default: one per 4 CPUs, 1 to 4)",
-    "max_grammar_compile_s": "a request whose grammar has compiled for this many seconds gets "
-    "an error naming its constraint field (default: %(default)s)",
-    "max_grammar_cache_bytes": "compiled grammars kept for reuse, the least recently used "
-    "evicted past this many bytes; 0: none kept (default: %(default)s)",
-    "tensor_parallel_size": "split the model over this many ranks (GPUs, or CPU processes), "
-    "Megatron-style over torch.distributed (default: %(default)s)",
-    "distributed_init_method": "tensor parallelism's rendezvous, tcp://HOST:PORT on the leader "
-    "(needed with --num-nodes > 1; default: a free port on this host)",
-    "num_nodes": "nodes the tensor-parallel ranks are split over; node 0 runs the engine, the "
-    "others run `asyncengine worker --node-rank K` with the same flags (default: %(default)s)",
-    "distributed_timeout_s": "seconds a rank waits for another inside a step before the engine "
-    "is declared dead (default: %(default)s)",
-}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--flag` per EngineArgs field, named as in vLLM (`--max-num-seqs`, ...)."""
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        default = None if f.default is dataclasses.MISSING else f.default
-        text = ENGINE_ARG_HELP.get(f.name, f.name)
-        text += "" if "default" in text else " (default: %(default)s)"
-        if f.type in ("bool", bool):
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=text
-            )
-            continue
-        kind: Any = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
-        parser.add_argument(flag, type=kind, default=default, help=text)
-
-
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)}
-    if values["model"] is None:  # EngineArgs' own default: the bundled model
-        del values["model"]
-    return EngineArgs(**values)
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -102,6 +39,16 @@ def _serve(ns: argparse.Namespace, make_engine: EngineFactory | None) -> int:
     return run(engine_args_from(ns), serve_options_from(ns), make_engine)
 
 
+SERVE_DESCRIPTION = (
+    "Serve the model over gRPC (Generation, Control, health, reflection) and, with --http-port, "
+    "over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models), "
+    "both on one engine, until SIGTERM/SIGINT, which drains in-flight requests and exits 0; "
+    "exits non-zero if the engine dies. Logs are JSON lines on stderr. The first start on a "
+    "machine compiles the C++ CPU ops (about a minute on 2 cores; the log says so); later "
+    "starts load the cached build."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncengine", description=__doc__)
     log_level_help = (
@@ -120,14 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--log-level", default=argparse.SUPPRESS, help=log_level_help)
     serve = sub.add_parser(
         "serve",
-        help="serve the model over gRPC (Generation, Control, health, reflection)",
-        description="Serve the model over gRPC until SIGTERM/SIGINT, which drains in-flight "
-        "requests and exits 0; exits non-zero if the engine dies. Logs are JSON lines on "
-        "stderr, one per finished request at INFO.",
+        help="serve the model over gRPC and, with --http-port, OpenAI's HTTP API",
+        usage="%(prog)s [options]",
+        description=SERVE_DESCRIPTION,
     )
-    add_serve_args(serve)
+    groups = add_serve_args(serve)
+    groups[OBSERVABILITY.title].add_argument(
+        "--log-level", default=argparse.SUPPRESS, help=log_level_help
+    )
     add_engine_args(serve)
-    serve.add_argument("--log-level", default=argparse.SUPPRESS, help=log_level_help)
     worker = sub.add_parser(
         "worker",
         help="run one node's tensor-parallel ranks for an engine on another node",

@@ -50,11 +50,12 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class _EngineCollector(Collector):
     """Gauges and engine-kept counters, read at scrape time."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self._engine = engine
         config = engine.config
         self._info = {
-            "model": config.model_config.model,
+            "model": model_name,
+            "model_path": config.model_config.model,
             "architecture": config.model_config.architecture,
             "dtype": config.model_config.dtype,
             "device": config.device_config.device,
@@ -141,7 +142,10 @@ class ServerMetrics:
     """
 
     def __init__(
-        self, engine: AsyncLLMEngine, abort_reason_of: Callable[[str], AbortReason | None]
+        self,
+        engine: AsyncLLMEngine,
+        abort_reason_of: Callable[[str], AbortReason | None],
+        model_name: str,
     ) -> None:
         self.registry = CollectorRegistry()
         self._abort_reason_of = abort_reason_of
@@ -149,7 +153,7 @@ class ServerMetrics:
         self._httpd: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         r = self.registry
-        r.register(_EngineCollector(engine))
+        r.register(_EngineCollector(engine, model_name))
         self.prompt_tokens = Counter(
             P + "prompt_tokens", "Prompt tokens of requests that ended (if ever scheduled)",
             registry=r,

@@ -1,8 +1,12 @@
-"""The server's own options (the engine's are EngineArgs), each with why it has its default."""
+"""The server's own options (the engine's are EngineArgs): their defaults and checks.
+
+Their flags and help are serve_flags.py's.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -56,209 +60,30 @@ class ServeOptions:
     chat_template: str | None = None
 
 
-# flag -> (type, help); defaults come from ServeOptions so they are stated once
-_FLAGS: dict[str, tuple[type, str]] = {
-    "host": (str, "address to listen on"),
-    "port": (int, "port to listen on (0 picks a free one; the log line 'serving' says which)"),
-    "served_model_name": (str, "model name reported by GetModelInfo (default: the model path)"),
-    "tls_cert": (str, "PEM server certificate: serve TLS instead of plaintext (needs --tls-key)"),
-    "tls_key": (str, "PEM private key of --tls-cert"),
-    "tls_client_ca": (
-        str,
-        "PEM CA bundle: require and verify client certificates (mutual TLS; needs --tls-cert)",
-    ),
-    "max_message_size": (
-        int,
-        "max bytes of one request or response message; well above gRPC's 4 MiB so long "
-        "prompts as token ids and batched Generate calls fit",
-    ),
-    "max_queued_requests": (
-        int,
-        "requests admitted beyond a full running batch (--max-num-seqs); past that calls get "
-        "RESOURCE_EXHAUSTED with a retry delay instead of an unbounded queue",
-    ),
-    "max_concurrent_rpcs": (
-        int,
-        "hard cap on concurrent RPCs of any kind, enforced by gRPC itself (RESOURCE_EXHAUSTED "
-        "without details); a backstop behind the admission limit (default: no cap)",
-    ),
-    "retry_after": (float, "seconds suggested to clients (RetryInfo) when admission is refused"),
-    "heartbeat_interval": (
-        float,
-        "seconds without a token before a stream gets a Heartbeat (queued, long prefill, "
-        "preempted), so proxies with idle timeouts keep silent streams open",
-    ),
-    "stall_timeout": (
-        float,
-        "seconds a stream may go unread (the client stopped reading) before the server ends "
-        "it with RESOURCE_EXHAUSTED (CLIENT_STALLED) and drops its buffered output",
-    ),
-    "drain_grace_period": (
-        float,
-        "seconds in-flight requests get to finish on SIGTERM/SIGINT or Drain before they are "
-        "aborted (Finished ABORTED_BY_SERVER)",
-    ),
-    "keepalive_time": (
-        float,
-        "seconds between server keepalive pings: finds dead clients of long silent streams",
-    ),
-    "keepalive_timeout": (float, "seconds to wait for a keepalive ping's ack before closing"),
-    "min_client_ping_interval": (
-        float,
-        "shortest interval of client pings the server accepts (without ping strikes), so "
-        "clients keeping long generations alive are never cut off for 'too many pings'",
-    ),
-    "metrics_port": (
-        int,
-        "port of the Prometheus /metrics HTTP endpoint, separate from gRPC (0 picks a free one; "
-        "the log line 'metrics_serving' says which; default: no endpoint)",
-    ),
-    "metrics_host": (str, "address of the metrics endpoint (default: --host)"),
-    "max_connection_age": (
-        float,
-        "seconds after which a client connection is asked to close (HTTP/2 GOAWAY; calls in "
-        "flight finish): clients then reconnect and re-resolve DNS, so balancing clients find "
-        "replicas added by scale-out (default: never)",
-    ),
-    "max_connection_idle": (
-        float,
-        "seconds a gRPC connection may carry no call before the server closes it (HTTP/2 "
-        "GOAWAY; the client reconnects on its next call): peers that connect and fall silent "
-        "give their descriptors back",
-    ),
-    "handshake_timeout": (
-        float,
-        "seconds a new gRPC connection gets to finish its HTTP/2 (and TLS) handshake before "
-        "it is closed: a socket that connects and sends nothing holds nothing for long",
-    ),
-    "max_pending_rpcs": (
-        int,
-        "gRPC calls received but not yet taken by the server's loop (a burst, a flood of "
-        "cancelled calls); past it gRPC itself ends new calls CANCELLED. Far above the "
-        "admission limit, so a burst meets admission (RESOURCE_EXHAUSTED with a retry delay) "
-        "instead; gRPC's own default (random refusals from 1000) cancelled bursts",
-    ),
-    "max_concurrent_streams": (
-        int,
-        "calls one gRPC connection may have open at once (HTTP/2 SETTINGS); a client's "
-        "further calls wait on its side, so one connection (a flood of opened and cancelled "
-        "calls) cannot fill the server's queue; above the admission limit, so a gateway on "
-        "one connection still sees RESOURCE_EXHAUSTED",
-    ),
-    "http_header_timeout": (
-        float,
-        "seconds an HTTP request may take to send its request line and headers (from its "
-        "first byte, or from connecting) before the connection is closed: slowloris sockets",
-    ),
-    "http_body_timeout": (
-        float,
-        "seconds an HTTP request may take to send its whole body once its headers are in; "
-        "past it the connection is closed (its handler sees a disconnect)",
-    ),
-    "http_keep_alive_timeout": (
-        float,
-        "seconds an idle HTTP keep-alive connection stays open between requests",
-    ),
-    "http_max_connections": (
-        int,
-        "HTTP connections open at once; past it new connections are closed at once, so "
-        "idle sockets cannot exhaust the process's descriptors",
-    ),
-    "http_port": (
-        int,
-        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /health, /metrics, ...), served beside gRPC over the same engine, "
-        "admission limits, tokens and drain (0 picks a free one; the log line 'http_serving' "
-        "says which; default: no HTTP API)",
-    ),
-    "http_host": (str, "address of the HTTP API (default: --host)"),
-    "chat_template": (
-        str,
-        "file holding a Jinja chat template for /v1/chat/completions, in place of the "
-        "tokenizer's own (default: the tokenizer's; a model with none answers chat with 400)",
-    ),
-    "engine_heartbeat_timeout": (
-        float,
-        "seconds the engine process (--engine-process) may send nothing, not even its "
-        "heartbeat, before it is killed and declared dead: health NOT_SERVING, every stream "
-        "ended, exit 1. Its heartbeat does not wait for steps, so a long prefill never trips "
-        "it",
-    ),
-    "torch_threads": (
-        int,
-        "torch intra-op threads (default: torch's choice); 1 is fastest for tiny models on "
-        "busy CPUs",
-    ),
-}
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per ServeOptions field (auth tokens may repeat)."""
-    defaults = ServeOptions()
-    for name, (kind, text) in _FLAGS.items():
-        default = getattr(defaults, name)
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            type=kind,
-            default=default,
-            help=text if "default" in text else text + " (default: %(default)s)",
-        )
-    parser.add_argument(
-        "--auth-token",
-        action="append",
-        default=None,
-        help="bearer token of a tenant, accepted by Generation (and reflection); each token is a "
-        "tenant of its own whose prompts share no prefix-cache blocks with other tenants'. "
-        "GROUP:TOKEN (split at the first ':') accepts TOKEN and makes every token of GROUP one "
-        "tenant that shares its cache (repeat for several; also ASYNCENGINE_AUTH_TOKENS, "
-        "comma-separated, so tokens stay out of `ps`; default: no auth)",
-    )
-    parser.add_argument(
-        "--control-auth-token",
-        action="append",
-        default=None,
-        help="bearer token the Control service (Abort, Drain, Resume, ...) requires; tenant "
-        "tokens work there for Abort only, which reaches the tenant's own requests (a Control "
-        "token's reaches every tenant's). With --auth-token and no --control-auth-token, "
-        "Control but Abort is off: those calls get PERMISSION_DENIED (repeat for several; also "
-        "ASYNCENGINE_CONTROL_AUTH_TOKENS; default: none)",
-    )
-    parser.add_argument(
-        "--auth-metrics",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.auth_metrics,
-        help="the HTTP port's /metrics requires a --control-auth-token (Bearer), for an HTTP "
-        "port that tenants reach; /health and /version stay open for probes, and "
-        "--metrics-port's endpoint is never authenticated (default: %(default)s, open as "
-        "Prometheus scrapers expect)",
-    )
-    parser.add_argument(
-        "--reflection",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.reflection,
-        help="serve gRPC server reflection, for grpcurl and gateways (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=defaults.engine_process,
-        help="step the engine in a process of its own, so scheduling and the servers' writes "
-        "run on two cores; --no-engine-process keeps it on the server's event loop "
-        "(default: %(default)s)",
-    )
-
-
 def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
-    """ServeOptions from parsed flags (and the token environment variables)."""
-    values = {name: getattr(ns, name) for name in _FLAGS}
-    return ServeOptions(
-        **values,
-        auth_tokens=_tokens(ns.auth_token, "ASYNCENGINE_AUTH_TOKENS"),
-        control_auth_tokens=_tokens(ns.control_auth_token, "ASYNCENGINE_CONTROL_AUTH_TOKENS"),
-        auth_metrics=ns.auth_metrics,
-        reflection=ns.reflection,
-        engine_process=ns.engine_process,
-    )
+    """ServeOptions from parsed flags (serve_flags.py) and the token environment variables.
+
+    Without --served-model-name the name is the default of the --model value as given (a hub
+    id stays itself; its download's directory is named by a commit hash).
+    """
+    envs = {"auth_tokens": "ASYNCENGINE_AUTH_TOKENS",
+            "control_auth_tokens": "ASYNCENGINE_CONTROL_AUTH_TOKENS"}  # fmt: skip
+    fields = [f.name for f in dataclasses.fields(ServeOptions)]
+    values = {name: getattr(ns, name) for name in fields if name not in envs}
+    for name, env_name in envs.items():  # repeated flags, named in the singular (--auth-token)
+        values[name] = _tokens(getattr(ns, name.removesuffix("s")), env_name)
+    if values["served_model_name"] is None and getattr(ns, "model", None):
+        values["served_model_name"] = default_served_model_name(ns.model)
+    return ServeOptions(**values)
+
+
+def default_served_model_name(model: str) -> str:
+    """The name a model is served under without --served-model-name: a local directory's own
+    name (`/models/llama-3-8b/` -> `llama-3-8b`), as a hub id's last part names the model; any
+    other value (a hub id, `org/name`) as given, as vLLM serves it."""
+    if os.path.isdir(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
 
 
 def parse_auth_token(value: str) -> tuple[str | None, str]:

@@ -53,7 +53,7 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         config = engine.config
         bos_token_id = engine.get_tokenizer().bos_token_id
         return pb.ModelInfo(
-            model_name=self._state.options.served_model_name or config.model_config.model,
+            model_name=self._state.model_name,
             architecture=config.model_config.architecture,
             max_context_length=config.model_config.max_model_len,
             vocab_size=engine.vocab_size,

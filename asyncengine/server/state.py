@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -22,7 +23,7 @@ from asyncengine.logging import get_logger
 from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.auth import Tenants
 from asyncengine.server.errors import ServerDrainingError
-from asyncengine.server.options import ServeOptions
+from asyncengine.server.options import ServeOptions, default_served_model_name
 
 if TYPE_CHECKING:
     from asyncengine.server.metrics import ServerMetrics
@@ -95,6 +96,17 @@ class ServerState:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+
+    @functools.cached_property
+    def model_name(self) -> str:
+        """The name /v1/models, GetModelInfo, responses and the metrics give the model."""
+        path = self.engine.config.model_config.model
+        return self.options.served_model_name or default_served_model_name(path)
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        """The names a request may give: the served one, and the model's path as before."""
+        return frozenset({self.model_name, self.engine.config.model_config.model})
 
     @property
     def max_in_flight(self) -> int:

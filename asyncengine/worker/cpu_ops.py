@@ -4,7 +4,9 @@ decoder's pointwise layers in one pass each (RMSNorm, rotary embedding, SiLU-and
 The sources (csrc/) are built once per machine, torch version and source with the host's C++
 compiler for the host's CPU (-march=native), into a cache directory; later starts only load
 the library. Without a compiler, or with ASYNCENGINE_CPU_OPS=0, `load()` returns False and every
-caller keeps its plain-torch code. The build time is logged.
+caller keeps its plain-torch code. A build is announced in the log before it starts
+(`cpu_ops_compiling`, with its expected seconds: a minute or more on a busy 2-core machine) and
+after it ends (`cpu_ops_compiled`, with the seconds it took).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ CFLAGS = (
     "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
     "-fassociative-math", "-fno-signed-zeros", "-std=c++17",
 )  # fmt: skip
+
+# measured: ~10 s of one core per source on a 2-core VM, most of it parsing torch's headers
+CPU_S_PER_SOURCE = 10.0
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet in this process
@@ -82,8 +87,6 @@ def _build() -> tuple[Path, bool]:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on PATH")
-    from torch.utils.cpp_extension import include_paths, library_paths
-
     # -march=native code must never run on another CPU, so the CPU's flags are in the key
     key = hashlib.sha256(
         b"\0".join(
@@ -100,6 +103,32 @@ def _build() -> tuple[Path, bool]:
     library = cache / f"cpu_ops-{key}.so"
     if library.exists():
         return library, False
+    # a first start's pause of a minute or more, said before it happens
+    logger.info(
+        "cpu_ops_compiling",
+        note="once per machine and version: later starts load the cached build",
+        expected_s=_expected_compile_s(),
+        library=str(library),
+    )
+    start = time.perf_counter()
+    _compile(compiler, library)
+    logger.info("cpu_ops_compiled", seconds=round(time.perf_counter() - start, 1))
+    return library, True
+
+
+def _expected_compile_s() -> int:
+    """The build's likely wall time here: its sources compile at once, each ~CPU_S_PER_SOURCE
+    of a core, and share the cores with whatever else runs (the load average)."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    demand = (load + len(SOURCES)) / (os.cpu_count() or 1)
+    return round(CPU_S_PER_SOURCE * max(1.0, demand))
+
+
+def _compile(compiler: str, library: Path) -> None:
+    """Compile SOURCES and link them into `library` (its directory is the cache)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    cache = library.parent
     cache.mkdir(parents=True, exist_ok=True)
     includes = [f"-I{p}" for p in include_paths()]
     libs = [*(f"-L{p}" for p in library_paths()), *(f"-Wl,-rpath,{p}" for p in library_paths())]
@@ -132,7 +161,6 @@ def _build() -> tuple[Path, bool]:
         if not partial.exists():
             raise RuntimeError(f"{compiler} failed: {''.join(errors).strip()[-2000:]}")
         os.replace(partial, library)
-    return library, True
 
 
 def _cpu_flags() -> str:

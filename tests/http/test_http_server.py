@@ -28,8 +28,9 @@ from structlog.testing import capture_logs
 
 from asyncengine.server.cli import build_parser
 from asyncengine.server.options import check_options, serve_options_from
+from asyncengine.v1 import control_pb2 as cpb
+from asyncengine.v1 import control_pb2_grpc, generation_pb2_grpc
 from asyncengine.v1 import generation_pb2 as pb
-from asyncengine.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -173,6 +174,24 @@ def test_models_retrieve_gives_the_served_model_and_404_for_another(fake: Server
     with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("gpt-4")
     assert missing.value.body["code"] == "model_not_found"
+
+
+def test_the_model_is_served_under_its_directory_name_and_its_path_still_works(
+    fake: ServerThread,
+) -> None:
+    path = str(fake.engine_args.model)
+    name = Path(path).name  # model_dir's directory: model-llama0 or so
+    client = fake.client()
+    assert [m.id for m in client.models.list().data] == [name]
+    assert client.models.retrieve(path).id == name  # the path is an alias of the name
+    for model in (name, path):
+        assert client.completions.create(model=model, prompt="Hi", max_tokens=1).model == name
+    with grpc.insecure_channel(f"127.0.0.1:{fake.grpc_port}") as channel:
+        info = control_pb2_grpc.ControlStub(channel).GetModelInfo(cpb.GetModelInfoRequest())
+    assert info.model_name == name
+    assert fake.state.metrics is not None
+    _, _, text = get(f"http://127.0.0.1:{fake.state.metrics.port}/metrics")
+    assert metric(text.decode(), "asyncengine_info", model=name, model_path=path) == 1
 
 
 def test_a_body_over_the_message_size_is_refused_unread(guarded: ServerThread) -> None:

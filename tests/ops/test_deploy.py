@@ -154,7 +154,7 @@ def metric_names(expr: str) -> set[str]:
 
 def exported_metric_names(model: Path) -> set[str]:
     args = EngineArgs(model=str(model), device="cpu", num_gpu_blocks_override=8)
-    metrics = ServerMetrics(testing.fake_engine(args), lambda _: None)
+    metrics = ServerMetrics(testing.fake_engine(args), lambda _: None, "fake")
     return {name for name, _ in parse_metrics(generate_latest(metrics.registry).decode())}
 
 

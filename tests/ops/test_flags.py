@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from asyncengine.server import app
@@ -53,3 +55,14 @@ def test_grpc_connection_and_backlog_limits_become_server_arguments() -> None:
     args = dict(app.grpc_options(options(*flags)))
     assert args["grpc.max_connection_idle_ms"] == 45_000
     assert args["grpc.server_handshake_timeout_ms"] == 5_000
+
+
+def test_the_served_name_defaults_to_the_model_directory_name(tmp_path: Path) -> None:
+    model = tmp_path / "llama-3-8b"
+    model.mkdir()
+    assert options("--model", f"{model}/").served_model_name == "llama-3-8b"
+    assert options("--model", "meta-llama/Llama-3.1-8B").served_model_name == (
+        "meta-llama/Llama-3.1-8B"  # a hub id is a name already, as vLLM serves it
+    )
+    flags = ("--model", str(model), "--served-model-name", "mine")
+    assert options(*flags).served_model_name == "mine"

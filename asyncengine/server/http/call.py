@@ -52,16 +52,14 @@ class HttpContext:
     @classmethod
     def create(cls, state: ServerState) -> HttpContext:
         options, engine = state.options, state.engine
-        model = engine.config.model_config.model
-        name = options.served_model_name or model
         template = None
         if options.chat_template:
             template = Path(options.chat_template).read_text(encoding="utf-8")
         return cls(
             state=state,
             engine=engine,
-            model_name=name,
-            accepted_models=frozenset({name, model}),
+            model_name=state.model_name,
+            accepted_models=state.model_names,
             chat_template=template,
             texts=TokenTexts(engine),
             tenants=state.tenants,
