@@ -40,7 +40,7 @@ def model_info(state: ServerState) -> pb.GetModelInfoResponse:
         max_context_length=model.max_model_len,
         vocab_size=engine.vocab_size,
         supports_vision=False,
-        served_model_name=state.options.served_model_name or model.model,
+        served_model_name=state.model_name,
         # where a gateway on this host reads the tokenizer; one elsewhere takes GetTokenizer
         tokenizer_path=tokenizer_zip(state).local_dir(),
         model_type=getattr(model.hf_config, "model_type", "") or "",
