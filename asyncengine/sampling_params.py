@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncengine.errors import InvalidRequestError
+from asyncengine.json_schema_rules import schema_problem
 
 _GREEDY_EPS = 1e-5
 MAX_SAMPLES = 64
@@ -51,10 +52,12 @@ class StructuredOutputsParams:
     `json`: a JSON schema (a dict, or its JSON text) the output validates against; `regex`: a
     pattern the whole output matches; `choice`: the output is one of these strings; `grammar`:
     an EBNF grammar (xgrammar's dialect of GBNF, start rule `root`); `json_object=True`: any
-    JSON object. `disable_any_whitespace` makes JSON compact (`", "` and `": "` only): some
-    models otherwise emit whitespace without end. Each value is bounded and checked here; a
-    schema, regex or grammar that does not compile is an error naming its field when the
-    request is added (`structured_outputs.regex`, ...).
+    JSON object. `disable_any_whitespace` makes JSON compact (`", "` and `": "` only); the
+    default (vLLM's) allows any whitespace between tokens, which some models emit without end
+    (docs/operations.md). Each value is bounded and checked here, a schema also for keywords
+    the grammar would not enforce (json_schema_rules.py); a schema, regex or grammar that does
+    not compile is an error naming its field when the request is added, before it is queued
+    (`structured_outputs.regex`, ...).
     """
 
     json: str | dict[str, Any] | None = None
@@ -73,6 +76,7 @@ class StructuredOutputsParams:
             )
         if self.json is not None:
             self.json = _schema_text(self.json)
+            _check_schema(self.json)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
@@ -276,6 +280,13 @@ def _schema_text(schema: object) -> str:
         isinstance(parsed, dict), name, "must be a JSON object (a schema)", type(parsed).__name__
     )
     return schema
+
+
+def _check_schema(text: str) -> None:
+    """Refuse what the grammar would not enforce (json_schema_rules.py); `text` is bounded."""
+    problem = schema_problem(_json.loads(text))
+    if problem is not None:
+        raise InvalidRequestError(_field("json"), problem)
 
 
 # vLLM's name for the same class before it was renamed (`vllm.sampling_params.GuidedDecodingParams`)

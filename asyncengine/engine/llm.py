@@ -48,7 +48,8 @@ class LLM:
         A prompt is text, token ids, or vLLM's `TextPrompt` / `TokensPrompt` dict; one, or a
         list of any mix. vLLM's older `prompt_token_ids=` keyword gives the ids apart (with
         `prompts`, the texts shown for them). A malformed prompt dict raises
-        `InvalidRequestError` before anything runs; a prompt that cannot run (too long, bad
+        `InvalidRequestError` before anything runs, and so does a structured-outputs
+        constraint that does not compile (as in vLLM); a prompt that cannot run (too long, bad
         token ids) gets an output with `error` set and finish_reason "error", the others are
         unaffected.
         """
@@ -62,6 +63,9 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(parsed)} prompts"
                 )
+        constraints = {id(p.structured_outputs): p for p in params_list if p.structured_outputs}
+        for p in constraints.values():  # compiled once here: the requests find it cached
+            self.llm_engine.validator.check_structured_outputs(p)
         results: dict[str, RequestOutput] = {}
         ids = []
         for prompt, p in zip(parsed, params_list):

@@ -7,7 +7,8 @@ scheduler never knows of grammars. Each step the model runner asks for the token
 its constrained rows (`fill_masks`, in the worker thread, while the forward runs) and the
 sampler applies it before sampling; the engine then advances each matcher with its sample's
 new token (`accept`). A matcher lives with its sample: swap and recompute keep a sample's
-tokens, and so its matcher's state, as it is.
+tokens, and so its matcher's state, as it is. xgrammar sees the vocabulary as the text
+does (engine/grammar_vocab.py): special tokens never match, and no sample writes a surrogate.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncengine.core.request import Request
+from asyncengine.engine.grammar_vocab import Utf8Guard, tokenizer_info
 from asyncengine.sampling_params import StructuredOutputsParams
 from asyncengine.worker.sampler import GrammarMasks
 
@@ -76,6 +78,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None
+        self._utf8: Utf8Guard | None = None  # built with the compiler, from its token bytes
         self._compiler_lock = threading.Lock()
         self._lock = threading.Lock()
         # least recently used first; a grammar evicted stays alive while a request holds it
@@ -163,9 +166,8 @@ class StructuredOutputManager:
                         "pip install 'asyncengine[structured]'"
                     ) from None
 
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._eos_token_ids
-                )
+                info = tokenizer_info(self._tokenizer, self.vocab_size, self._eos_token_ids)
+                self._utf8 = Utf8Guard(info.decoded_vocab, self.vocab_size)
                 # compiled grammars are cached here, bounded by bytes, with in-flight sharing;
                 # one thread: the compile runs in its caller's (bounded) pool thread
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -214,10 +216,15 @@ class StructuredOutputManager:
                 continue
             if bitmask is None:
                 bitmask = xgr.allocate_token_bitmask(len(reqs), self.vocab_size)
+            # a constrained request's grammar compiled: the compiler and its guard exist
+            assert self._utf8 is not None
             try:
-                # False: every token is allowed (nothing to apply)
-                if group.matchers[req.request_id].fill_next_token_bitmask(bitmask, row):
-                    rows.append(row)
+                # a row xgrammar leaves all-allowed (it returns False) is restricted all the same
+                group.matchers[req.request_id].fill_next_token_bitmask(bitmask, row)
+                last = req.token_ids[-1] if req.num_output_tokens else None
+                if not self._utf8.restrict(bitmask, row, last):
+                    raise GrammarError("the grammar allows only a UTF-16 surrogate here")
+                rows.append(row)
             except Exception as exc:
                 failures[row] = exc
         if bitmask is None:

@@ -82,6 +82,11 @@ def test_vllm_structured_outputs_choice_and_regex(server: ServerThread) -> None:
          "response_format.json_schema.schema"),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs.json"),
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+         "structured_outputs.json"),
         ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},

@@ -48,6 +48,8 @@ REGEX = r"[A-Z]{2}\d{3}"
 CHOICES = ["alpha", "beta", "감마"]
 BAD = [
     ("json_schema", {"json_schema": '{"type": "bogus"}'}),
+    # xgrammar compiles it, to a grammar that finishes arrays with repeated items: refused
+    ("json_schema", {"json_schema": '{"type": "array", "uniqueItems": true}'}),
     ("json_schema", {"json_schema": "{not json"}),
     ("regex", {"regex": "(unclosed"}),
     ("grammar", {"grammar": "root ::= missing_rule"}),
