@@ -37,12 +37,12 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS":
 class Server:
     """`asyncengine serve --port 0 --http-port 0` on 127.0.0.1; its log to a file."""
 
-    def __init__(self, model: str, threads: int, log_path: Path) -> None:
+    def __init__(self, model: str, dtype: str, threads: int, log_path: Path) -> None:
         script = shutil.which("asyncengine", path=str(Path(sys.executable).parent))
         command = [script, "serve"] if script else [sys.executable, "-m", "asyncengine.server.cli",
                                                     "serve"]  # fmt: skip
         command += ["--model", model, "--host", "127.0.0.1", "--port", "0", "--http-port", "0",
-                    "--served-model-name", SERVED_NAME,
+                    "--served-model-name", SERVED_NAME, "--dtype", dtype,
                     "--torch-threads", str(threads)]  # fmt: skip
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
@@ -146,6 +146,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=8.0, help="the constant profile's, req/s")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="auto", help="the server's (default: its own pick)")
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
@@ -157,7 +158,7 @@ def main() -> None:
 
             model = str(make_random_model(Path(tmp) / "model", "llama", vocab_size=4096,
                                           max_position_embeddings=2048, **SMALL_MODEL))  # fmt: skip
-        server = Server(model, ns.threads, Path(tmp) / "server.log")
+        server = Server(model, ns.dtype, ns.threads, Path(tmp) / "server.log")
         try:
             rows = [
                 summarize(p, guidellm_run(ns, server.http_port, model, p, Path(tmp) / f"{p}.json"))
