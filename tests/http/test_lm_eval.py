@@ -15,8 +15,8 @@ The server is serving_http's (`serve --http-port 0`), its engine stepping on the
 (`--no-engine-process`): what is checked here is the HTTP API's numbers, and the other HTTP tests
 run both cores. No download: the task is a YAML over local jsonl files (lm-eval's built-in tasks
 are not even indexed), datasets and the hub are offline, and any socket connect beyond loopback
-fails the test. lm-eval is in the `clients` extra; without it
-this module skips, except under CI, which installs it and where a missing lm-eval is a failure.
+fails the test. lm-eval is in the `clients` extra; without it this module skips, except under
+CI, which installs it and where a missing lm-eval is a failure.
 """
 
 from __future__ import annotations
