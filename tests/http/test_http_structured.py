@@ -86,7 +86,7 @@ def test_vllm_structured_outputs_choice_and_regex(server: ServerThread) -> None:
         ({"structured_outputs": {"json": {"type": "no-such-type"}}}, "structured_outputs.json"),
         ({"response_format": {"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
-         "structured_outputs.json"),
+         "response_format.json_schema.schema"),
         ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
