@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.kv_events import KvEvent
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.engine.messages import StepStats
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
@@ -52,6 +53,9 @@ class OutputSink(Protocol):
 
     def on_dead(self, cause: BaseException) -> None:
         """The core can no longer step: every stream must be told."""
+
+    def on_kv_events(self, events: list[KvEvent]) -> None:
+        """A step's prefix-cache events (never empty), after that step's outputs."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,8 @@ class InprocClient:
             outputs = engine.update(plan, result)
             step = step_stats(plan, result, scheduled - started, execute_s, executed)
             self._sink.on_outputs(outputs, step)
+            if events := engine.take_kv_events():
+                self._sink.on_kv_events(events)
             # let the streams run before the next step; the step itself never awaits them
             await asyncio.sleep(0)
 

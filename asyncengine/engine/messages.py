@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from asyncengine.core.kv_events import KvEvent
 from asyncengine.engine.llm_engine import EngineStats
 from asyncengine.engine.validator import ValidatedRequest
 from asyncengine.outputs import RequestOutput
@@ -82,6 +83,7 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     step: StepStats | None
     stats: EngineStats
     phases: dict[str, str] | None = None
+    kv_events: list[KvEvent] = []  # the step's prefix-cache events, when they are on
 
 
 class Added(msgspec.Struct, tag=True, array_like=True):

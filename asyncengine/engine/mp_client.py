@@ -349,6 +349,8 @@ class MPClient:
             self._phases = message.phases
         assert self._sink is not None
         self._sink.on_outputs(message.outputs, message.step)
+        if message.kv_events:
+            self._sink.on_kv_events(message.kv_events)
         if self._adding:  # constrained requests aborted while compiling end here
             for out in message.outputs:
                 reply = self._adding.pop(out.request_id, None) if out.finished else None

@@ -34,6 +34,9 @@ ENGINE_ARG_HELP = {
     "max_model_len": "context length (default: the model's max_position_embeddings)",
     "preemption_mode": "auto, swap or recompute: what happens to a preempted request's KV",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enable_kv_events": "publish the prefix cache's stored / removed / cleared blocks to "
+    "SubscribeKvEvents (SMG's event-driven cache_aware routing) and engine.kv_events() "
+    "(default: %(default)s)",
     "attention_backend": "auto, torch or triton",
     "expected_concurrency": "the peak of concurrent requests you expect: a warning at start-up "
     "if max_num_seqs is far from 1.2-1.5x it (default: no check)",

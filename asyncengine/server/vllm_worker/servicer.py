@@ -15,6 +15,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from asyncengine.engine.kv_events import TooManySubscribersError
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
@@ -27,7 +28,7 @@ from asyncengine.server.errors import (
 )
 from asyncengine.server.state import ServerState
 from asyncengine.server.stream_writer import StreamWriter
-from asyncengine.server.vllm_worker import convert, info
+from asyncengine.server.vllm_worker import convert, info, kv_events
 from asyncengine.server.vllm_worker.tokenizer_zip import TokenizerZip
 
 logger = get_logger(__name__)
@@ -180,5 +181,19 @@ class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not served yet")
-        yield common_pb2.KvEventBatch()  # unreachable: makes this an async generator
+        """The prefix cache's events (`--enable-kv-events`; else UNIMPLEMENTED, which the
+        gateway reads as "this worker publishes none"), from `start_sequence_number` on."""
+        if not self._engine.config.cache_config.enable_kv_events:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "KV cache events are off (--enable-kv-events)"
+            )
+        if self._engine.errored:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is dead")
+        try:
+            subscription = self._engine.kv_events(request.start_sequence_number)
+        except TooManySubscribersError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        block_size = self._engine.config.cache_config.block_size
+        async with subscription:
+            async for batch in subscription:
+                yield kv_events.batch_message(batch, block_size)
