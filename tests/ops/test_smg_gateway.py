@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator
@@ -47,10 +48,14 @@ class Gateway:
     metrics_port: int = 0
 
     def metric(self, name: str, **labels: str) -> list[float]:
-        """The values of the gateway's Prometheus series `name` whose labels include `labels`."""
+        """The values of the gateway's Prometheus series `name` whose labels include `labels`
+        (none while its metrics port is not yet listening)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                text = reply.read().decode()
+        except urllib.error.URLError:
+            return []
         wanted = [f'{key}="{value}"' for key, value in labels.items()]
         return [
             float(line.rsplit(" ", 1)[1])
@@ -393,6 +398,32 @@ def test_subscribe_kv_events_direct_snapshot_then_the_blocks_a_prompt_stores(
     assert [list(b.token_ids) for b in blocks[:3]] == [ids[:16], ids[16:32], ids[32:48]]
     assert all(b.block_size == 16 for b in blocks)
     assert not stored[0].HasField("parent_block_hash")  # the chain starts at the prompt's start
+
+
+def test_a_gateway_started_later_resyncs_from_each_replicas_snapshot(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """What the replicas already hold reaches a new subscriber as one snapshot (cleared, then
+    every cached block): the resync a subscriber that fell behind gets too."""
+    for index, replica in enumerate(gateway.replicas):
+        list(direct_generate(replica, greedy([300 + index + i % 40 for i in range(50)], 1)))
+    proc, port, log_path, metrics_port = start_smg(
+        gateway.replicas, "cache_aware", tmp_path / "smg.log"
+    )
+    try:
+        late = Gateway(gateway.replicas, proc, port, log_path, gateway.model, gateway.tokenizer,
+                       metrics_port)  # fmt: skip
+        snapshot_blocks = wait_for(
+            lambda: (found := late.metric("smg_kv_event_blocks_total", op="snapshot"))
+            and len(found) == 2 and min(found) >= 3 and found,
+            "no snapshot reached the new gateway:\n" + log_path.read_text()[-3000:],
+        )  # fmt: skip
+        assert late.metric("smg_kv_event_resyncs_total", reason="snapshot") == [1.0, 1.0]
+        indexed = late.metric("smg_kv_index_blocks")
+        assert sorted(indexed) == sorted(snapshot_blocks), (indexed, snapshot_blocks)
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_replica_killed_mid_stream_leaves_the_other_whole(
