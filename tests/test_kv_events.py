@@ -109,6 +109,10 @@ def test_engine_kv_events_in_python_and_the_stream_ends_with_the_engine(model_di
             tuple(prompt[8:16]),
             tuple(prompt[16:24]),
         ]
+        # nothing holds a block now: the reset clears the cache, and says so to subscribers
+        assert await engine.reset_prefix_cache()
+        (cleared,) = await take(sub, 1)
+        assert cleared.events == (CLEARED,) and cleared.sequence_number == batch.sequence_number + 1
         await engine.shutdown()
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(anext(sub), 10)

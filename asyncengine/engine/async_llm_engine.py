@@ -461,6 +461,14 @@ class AsyncLLMEngine:
         if self._kv_events is not None:
             self._kv_events.publish(events)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (a CLEARED KV event), if no request holds a KV block;
+        whether it did (vLLM's `reset_prefix_cache`). Raises `EngineDeadError` when dead."""
+        if self._dead is not None:
+            raise self._dead
+        self._start()
+        return await self.core.reset_prefix_cache()
+
     def kv_events(self, start_sequence_number: int = 0) -> KvEventSubscription:
         """The prefix cache's events (`--enable-kv-events`), as numbered batches: those after
         `start_sequence_number` if still kept, else (and for 0) a snapshot first (CLEARED, then

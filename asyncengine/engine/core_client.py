@@ -84,6 +84,10 @@ class EngineCoreClient(Protocol):
         """Abort by core id, at once; each one's final output reaches the sink. The future
         gives the ids the core aborted (not those that had finished first)."""
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix if no request holds a block (its CLEARED event reaches
+        the sink first); whether it did."""
+
     def get_stats(self) -> EngineStats: ...
 
     def request_phase(self, request_id: str) -> str | None: ...
@@ -162,6 +166,13 @@ class InprocClient:
         done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         done.set_result([out.request_id for out in finals])
         return done
+
+    async def reset_prefix_cache(self) -> bool:
+        # between steps (this runs on the loop), and only when no request holds a block
+        is_reset = self.engine.reset_prefix_cache()
+        if (events := self.engine.take_kv_events()) and self._sink is not None:
+            self._sink.on_kv_events(events)
+        return is_reset
 
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()

@@ -40,7 +40,9 @@ from asyncengine.engine.messages import (
     AddRequest,
     Failed,
     Heartbeat,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     ToEngine,
@@ -279,6 +281,11 @@ class _Core:
             self._on_compiled(message)
         elif isinstance(message, AbortRequests):
             self._abort(message)
+        elif isinstance(message, ResetPrefixCache):
+            is_reset = self.engine.reset_prefix_cache()
+            if kv_events := self.engine.take_kv_events():
+                self._send_outputs([], None, None, kv_events)
+            self.send(PrefixCacheReset(message.ticket, is_reset))
         elif isinstance(message, Shutdown):
             self.is_stopping = True
         elif isinstance(message, _Malformed):

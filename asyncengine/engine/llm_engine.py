@@ -245,6 +245,10 @@ class LLMEngine:
             return "queued"
         return "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode"
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, if no request holds a block; whether it did."""
+        return self.block_manager.reset_prefix_cache()
+
     def take_kv_events(self) -> list[KvEvent]:
         """The prefix cache's events since the last call (see core/kv_events.py)."""
         return self.block_manager.take_kv_events()

@@ -6,8 +6,8 @@ alone). The engine's own dataclasses (`ValidatedRequest`, `RequestOutput`, `Engi
 travel as they are: msgspec encodes dataclasses and enums natively, several times faster
 than pickle, so there is no second copy of their fields to keep in step.
 
-    front -> engine   AddRequest, AbortRequests, Shutdown
-    engine -> front   Ready, StepOutputs, Added, Aborted, Heartbeat, Failed
+    front -> engine   AddRequest, AbortRequests, ResetPrefixCache, Shutdown
+    engine -> front   Ready, StepOutputs, Added, Aborted, PrefixCacheReset, Heartbeat, Failed
 """
 
 from __future__ import annotations
@@ -53,11 +53,17 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    """Forget every cached prefix if no request holds a block; `PrefixCacheReset` answers."""
+
+    ticket: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort what is in flight and exit."""
 
 
-ToEngine = AddRequest | AbortRequests | Shutdown
+ToEngine = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
 
 
 # -- engine -> front ------------------------------------------------------------------------
@@ -109,6 +115,14 @@ class Aborted(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class PrefixCacheReset(msgspec.Struct, tag=True, array_like=True):
+    """Whether `ResetPrefixCache` with this ticket reset the cache (its CLEARED event came in
+    a `StepOutputs` before this)."""
+
+    ticket: int
+    is_reset: bool
+
+
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     """Sent every heartbeat interval by a thread of its own, whatever the steps are doing."""
 
@@ -140,7 +154,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
         return RuntimeError(self.reason)
 
 
-FromEngine = Ready | StepOutputs | Added | Aborted | Heartbeat | Failed
+FromEngine = Ready | StepOutputs | Added | Aborted | PrefixCacheReset | Heartbeat | Failed
 
 
 def request_id_of_malformed(frame: bytes) -> str | None:

@@ -426,6 +426,25 @@ def test_a_gateway_started_later_resyncs_from_each_replicas_snapshot(
         proc.wait()
 
 
+def test_flush_cache_clears_the_replicas_prefix_cache_and_says_so_on_its_kv_events(
+    gateway: Gateway,
+) -> None:
+    replica = gateway.replicas[1]
+    ids = [200 + i % 30 for i in range(40)]
+    with replica.channel() as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        list(stub.Generate(greedy(ids, 1), timeout=60))
+        events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)
+        next(events)  # the snapshot
+        flushed = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=30)
+        assert flushed.success, flushed.message
+        batch = next(events)
+        events.cancel()
+        assert [e.WhichOneof("data") for e in batch.events] == ["cleared"]
+        (again,) = list(stub.Generate(greedy(ids, 1), timeout=60))[-1:]
+    assert again.complete.cached_tokens == 0  # the prefix was forgotten
+
+
 def test_a_replica_killed_mid_stream_leaves_the_other_whole(
     gateway: Gateway, tmp_path: Path
 ) -> None:

@@ -5,6 +5,8 @@ asyncengine.v1's; only the messages differ."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,6 +37,8 @@ logger = get_logger(__name__)
 PROTOCOL = "smg"  # the log lines' protocol field
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 MAX_ABORT_IDS = 1024
+MAX_FLUSH_WAIT_S = 60.0
+FLUSH_POLL_S = 0.05
 
 
 class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -177,6 +181,29 @@ class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         data, digest = await self._tokenizer_zip.get()
         for chunk in TokenizerZip.chunks(data, digest):
             yield chunk
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Forget the prefix cache (a `cleared` KV event) once no request holds a KV block,
+        waiting up to `timeout_s` (at most MAX_FLUSH_WAIT_S) for that. Operators only, where
+        tenants have tokens of their own."""
+        try:
+            _, is_operator = self._state.tenants.abort_scope(context.invocation_metadata() or ())
+        except UnauthenticatedError as exc:
+            await abort_rpc(context, exc)
+        if not is_operator:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "FlushCache needs a Control token"
+            )
+        deadline = time.monotonic() + min(max(request.timeout_s, 0.0), MAX_FLUSH_WAIT_S)
+        while not await self._engine.reset_prefix_cache():
+            if time.monotonic() >= deadline:
+                return common_pb2.FlushCacheResponse(
+                    success=False, message="requests hold KV blocks; the cache was not flushed"
+                )
+            await asyncio.sleep(FLUSH_POLL_S)
+        return common_pb2.FlushCacheResponse(success=True, message="the prefix cache is empty")
 
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
