@@ -46,6 +46,7 @@ class CacheConfig:
     num_cpu_blocks_override: int | None
     enable_prefix_caching: bool
     sliding_window: int | None
+    enable_kv_events: bool = False  # only with prefix caching: events follow its index
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,7 @@ class EngineArgs:
     max_model_len: int | None = None
     preemption_mode: str = "auto"
     enable_prefix_caching: bool = True
+    enable_kv_events: bool = False
     attention_backend: str = "auto"
     # accepted for vLLM code (see the class docstring for what each means here)
     trust_remote_code: bool = False
@@ -289,14 +291,22 @@ class EngineArgs:
             max_model_len=max_model_len,
             seed=self.seed,
         )
+        prefix_caching = _prefix_caching(self.enable_prefix_caching, hf_config)
+        if self.enable_kv_events and not prefix_caching:
+            from asyncengine.logging import get_logger
+
+            get_logger(__name__).warning(
+                "kv_events_disabled", reason="KV events follow the prefix cache, which is off"
+            )
         cache_config = CacheConfig(
             block_size=self.block_size,
             gpu_memory_utilization=self.gpu_memory_utilization,
             swap_space_bytes=int(self.swap_space * GiB),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             num_cpu_blocks_override=self.num_cpu_blocks_override,
-            enable_prefix_caching=_prefix_caching(self.enable_prefix_caching, hf_config),
+            enable_prefix_caching=prefix_caching,
             sliding_window=getattr(hf_config, "sliding_window", None) or None,
+            enable_kv_events=self.enable_kv_events and prefix_caching,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

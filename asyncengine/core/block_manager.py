@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from asyncengine.core.block_pool import BlockPool, NoFreeBlocksError
+from asyncengine.core.kv_events import KvEvent, KvEventLog, chain_root, salt_namespace
 
 __all__ = [
     "RELEASED",
@@ -91,7 +92,10 @@ class BlockSpaceManager:
         sliding_window: int | None = None,
         watermark: float = 0.01,
         enable_caching: bool = False,
+        enable_kv_events: bool = False,
     ) -> None:
+        """`enable_kv_events`: record what the prefix cache stores and removes, for
+        `take_kv_events` (at least once a step, else the oldest give way to a CLEARED)."""
         if enable_caching and sliding_window is not None:
             raise ValueError("prefix caching does not support sliding-window attention")
         self.enable_caching = enable_caching
@@ -101,7 +105,12 @@ class BlockSpaceManager:
         self.sliding_window = sliding_window
         # keep a few blocks back from admissions so running requests can still grow
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.gpu_pool = BlockPool(num_gpu_blocks)
+        self.kv_events = (
+            KvEventLog(max_events=4 * num_gpu_blocks + 64)
+            if enable_caching and enable_kv_events
+            else None
+        )
+        self.gpu_pool = BlockPool(num_gpu_blocks, self.kv_events)
         self.cpu_pool = BlockPool(num_cpu_blocks)
         self.block_tables: dict[str, list[int]] = {}  # requests whose blocks are on the GPU
         self.cpu_block_tables: dict[str, list[int]] = {}  # requests swapped out to the CPU
@@ -130,9 +139,10 @@ class BlockSpaceManager:
     def _block_key(
         self, seq: Sequence, index: int, parent: int | None
     ) -> tuple[int, tuple[int, ...]]:
-        """(content hash, token ids) of full block `index`; the salt seeds the chain."""
+        """(content hash, token ids) of full block `index`; the salt seeds the chain. Ints and
+        tuples of ints hash alike in every process, so replicas name a prefix alike."""
         tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
-        return hash((parent if index else ("salt", seq.cache_salt), tokens)), tokens
+        return hash((parent if index else chain_root(seq.cache_salt), tokens)), tokens
 
     def _match_prefix(self, seq: Sequence, use_cache: bool = True) -> list[int]:
         """Cached blocks holding `seq`'s longest prefix of full blocks (one token always left)."""
@@ -158,11 +168,21 @@ class BlockSpaceManager:
             return  # no block filled up (a decode step, all but one in `block_size`)
         table = self.block_tables[seq.request_id]
         parent = hashes[-1] if hashes else None
+        namespace = salt_namespace(seq.cache_salt)
         for index in range(len(hashes), num_computed_tokens // self.block_size):
             content_hash, tokens = self._block_key(seq, index, parent)
-            self.gpu_pool.register(table[index], content_hash, tokens)
+            self.gpu_pool.register(table[index], content_hash, tokens, parent, namespace)
             hashes.append(content_hash)
             parent = content_hash
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """What the prefix cache stored, removed or cleared since the last call, in order."""
+        return self.kv_events.take() if self.kv_events is not None else []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (a CLEARED event), if no request holds a block;
+        whether it did (vLLM's `reset_prefix_cache`)."""
+        return self.gpu_pool.reset_cache()
 
     # -- admission ---------------------------------------------------------------------------
 

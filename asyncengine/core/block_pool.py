@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
+from asyncengine.core.kv_events import CLEARED, KvEvent, KvEventKind, KvEventLog
+
 
 class NoFreeBlocksError(RuntimeError):
     """A pool was asked for a block it does not have (a scheduler bug, never user input)."""
@@ -19,8 +21,9 @@ class BlockPool:
     The token ids are kept beside the hash, so a hash collision can never hand out wrong K/V.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KvEventLog | None = None) -> None:
         self.num_blocks = num_blocks
+        self.events = events  # what enters and leaves `cached`, when someone follows it
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_hash: list[int | None] = [None] * num_blocks
@@ -68,8 +71,16 @@ class BlockPool:
             del self._free[block]
         self.ref_counts[block] += 1
 
-    def register(self, block: int, content_hash: int, token_ids: tuple[int, ...]) -> None:
-        """Record that a full block now holds K/V for `token_ids` after the hashed prefix."""
+    def register(
+        self,
+        block: int,
+        content_hash: int,
+        token_ids: tuple[int, ...],
+        parent_hash: int | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Record that a full block now holds K/V for `token_ids` after the hashed prefix
+        (`parent_hash` and the salt's namespace `cache_salt` only describe it to events)."""
         self.block_hash[block] = content_hash
         self.block_tokens[block] = token_ids
         # Of two copies of the same content (computed concurrently, or swapped back in) the
@@ -77,13 +88,32 @@ class BlockPool:
         indexed = self.cached.get(content_hash)
         if indexed is None or self.ref_counts[indexed] == 0:
             self.cached[content_hash] = block
+            if indexed is None and self.events is not None:
+                self.events.append(
+                    KvEvent(KvEventKind.STORED, content_hash, parent_hash, token_ids, cache_salt)
+                )
 
     def _forget(self, block: int) -> None:
         content_hash = self.block_hash[block]
         if content_hash is not None and self.cached.get(content_hash) == block:
             del self.cached[content_hash]
+            if self.events is not None:
+                self.events.append(KvEvent(KvEventKind.REMOVED, content_hash))
         self.block_hash[block] = None
         self.block_tokens[block] = None
+
+    def reset_cache(self) -> bool:
+        """Forget every cached block's content, if no block is held (a held block's K/V may
+        be read by its request's next step); whether it did."""
+        if self.num_free != self.num_blocks:
+            return False
+        for block in range(self.num_blocks):
+            self.block_hash[block] = None
+            self.block_tokens[block] = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(CLEARED)
+        return True
 
     def check_invariants(self, holders: Counter[int]) -> None:
         """`holders[b]` = how many tables hold block b; it must equal b's reference count."""

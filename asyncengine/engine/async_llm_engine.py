@@ -11,8 +11,10 @@ from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 from asyncengine.config import EngineArgs, EngineConfig, ModelConfig
+from asyncengine.core.kv_events import KvEvent
 from asyncengine.core.request import FinishReason
 from asyncengine.engine.core_client import EngineCoreClient, EngineFront, InprocClient
+from asyncengine.engine.kv_events import KvEventHub, KvEventSubscription
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.engine.load import LoadReport, ThroughputMeter, load_report
 from asyncengine.engine.messages import StepStats
@@ -85,6 +87,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
         self._throughput = ThroughputMeter()
+        self._kv_events = KvEventHub() if self.config.cache_config.enable_kv_events else None
 
     @classmethod
     def from_engine_args(
@@ -454,6 +457,27 @@ class AsyncLLMEngine:
     def on_dead(self, cause: BaseException) -> None:
         self._die(cause)
 
+    def on_kv_events(self, events: list[KvEvent]) -> None:
+        if self._kv_events is not None:
+            self._kv_events.publish(events)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (a CLEARED KV event), if no request holds a KV block;
+        whether it did (vLLM's `reset_prefix_cache`). Raises `EngineDeadError` when dead."""
+        if self._dead is not None:
+            raise self._dead
+        self._start()
+        return await self.core.reset_prefix_cache()
+
+    def kv_events(self, start_sequence_number: int = 0) -> KvEventSubscription:
+        """The prefix cache's events (`--enable-kv-events`), as numbered batches: those after
+        `start_sequence_number` if still kept, else (and for 0) a snapshot first (CLEARED, then
+        every cached block). A subscriber that falls behind gets a snapshot again. Iterate it
+        with `async for`; close it (or `async with`) when done."""
+        if self._kv_events is None:
+            raise RuntimeError("KV events are off: start the engine with enable_kv_events")
+        return self._kv_events.subscribe(start_sequence_number)
+
     def _die(self, cause: BaseException | None) -> None:
         """The engine is dead: every open stream is told, and nothing new is admitted."""
         if self._dead is not None:  # already dead (or shut down): its streams were told
@@ -473,6 +497,8 @@ class AsyncLLMEngine:
         self._fail_all(dead, open_streams.values())
 
     def _fail_all(self, error: EngineDeadError, streams: Iterable[RequestStream]) -> None:
+        if self._kv_events is not None:
+            self._kv_events.close()
         for stream in streams:
             if stream.is_finished:
                 continue

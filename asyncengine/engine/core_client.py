@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from asyncengine.config import EngineConfig
+from asyncengine.core.kv_events import KvEvent
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.engine.messages import StepStats
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
@@ -53,6 +54,9 @@ class OutputSink(Protocol):
     def on_dead(self, cause: BaseException) -> None:
         """The core can no longer step: every stream must be told."""
 
+    def on_kv_events(self, events: list[KvEvent]) -> None:
+        """A step's prefix-cache events (never empty), after that step's outputs."""
+
 
 @dataclass(frozen=True)
 class Queued:
@@ -79,6 +83,10 @@ class EngineCoreClient(Protocol):
     def abort(self, request_ids: list[str]) -> asyncio.Future[list[str]]:
         """Abort by core id, at once; each one's final output reaches the sink. The future
         gives the ids the core aborted (not those that had finished first)."""
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix if no request holds a block (its CLEARED event reaches
+        the sink first); whether it did."""
 
     def get_stats(self) -> EngineStats: ...
 
@@ -159,6 +167,13 @@ class InprocClient:
         done.set_result([out.request_id for out in finals])
         return done
 
+    async def reset_prefix_cache(self) -> bool:
+        # between steps (this runs on the loop), and only when no request holds a block
+        is_reset = self.engine.reset_prefix_cache()
+        if (events := self.engine.take_kv_events()) and self._sink is not None:
+            self._sink.on_kv_events(events)
+        return is_reset
+
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
@@ -188,6 +203,8 @@ class InprocClient:
             outputs = engine.update(plan, result)
             step = step_stats(plan, result, scheduled - started, execute_s, executed)
             self._sink.on_outputs(outputs, step)
+            if events := engine.take_kv_events():
+                self._sink.on_kv_events(events)
             # let the streams run before the next step; the step itself never awaits them
             await asyncio.sleep(0)
 

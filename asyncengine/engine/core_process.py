@@ -40,7 +40,9 @@ from asyncengine.engine.messages import (
     AddRequest,
     Failed,
     Heartbeat,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
     ToEngine,
@@ -256,12 +258,15 @@ class _Core:
         if now - self.last_phases >= PHASES_INTERVAL_S:
             self.last_phases = now
             phases = {rid: engine.request_phase(rid) or "queued" for rid in engine.in_flight_ids()}
-        self._send_outputs(outputs, step, phases)
+        self._send_outputs(outputs, step, phases, engine.take_kv_events())
 
-    def _send_outputs(self, outputs: list[RequestOutput], step: Any, phases: Any = None) -> None:
+    def _send_outputs(
+        self, outputs: list[RequestOutput], step: Any, phases: Any = None, kv_events: Any = ()
+    ) -> None:
         for out in outputs:  # the parent's stream has the prompt
             out.prompt, out.prompt_token_ids = None, []
-        self.send(StepOutputs(outputs, step, self.engine.get_stats(), phases))
+        stats = self.engine.get_stats()
+        self.send(StepOutputs(outputs, step, stats, phases, list(kv_events)))
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, AddRequest):
@@ -276,6 +281,11 @@ class _Core:
             self._on_compiled(message)
         elif isinstance(message, AbortRequests):
             self._abort(message)
+        elif isinstance(message, ResetPrefixCache):
+            is_reset = self.engine.reset_prefix_cache()
+            if kv_events := self.engine.take_kv_events():
+                self._send_outputs([], None, None, kv_events)
+            self.send(PrefixCacheReset(message.ticket, is_reset))
         elif isinstance(message, Shutdown):
             self.is_stopping = True
         elif isinstance(message, _Malformed):

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from asyncengine.config import EngineArgs, EngineConfig
 from asyncengine.core.block_manager import BlockSpaceManager
+from asyncengine.core.kv_events import KvEvent
 from asyncengine.core.request import FinishReason, Request, RequestStatus, new_request_id
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.engine.detokenizer import make_decode, make_detokenizer
@@ -116,6 +117,7 @@ class LLMEngine:
             num_cpu_blocks,
             sliding_window=cache.sliding_window,
             enable_caching=cache.enable_prefix_caching,
+            enable_kv_events=cache.enable_kv_events,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         grammar_config = config.structured_outputs_config
@@ -242,6 +244,14 @@ class LLMEngine:
         if req.status is RequestStatus.WAITING:
             return "queued"
         return "prefill" if req.num_computed_tokens < req.num_prompt_tokens else "decode"
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, if no request holds a block; whether it did."""
+        return self.block_manager.reset_prefix_cache()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's events since the last call (see core/kv_events.py)."""
+        return self.block_manager.take_kv_events()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -6,8 +6,8 @@ alone). The engine's own dataclasses (`ValidatedRequest`, `RequestOutput`, `Engi
 travel as they are: msgspec encodes dataclasses and enums natively, several times faster
 than pickle, so there is no second copy of their fields to keep in step.
 
-    front -> engine   AddRequest, AbortRequests, Shutdown
-    engine -> front   Ready, StepOutputs, Added, Aborted, Heartbeat, Failed
+    front -> engine   AddRequest, AbortRequests, ResetPrefixCache, Shutdown
+    engine -> front   Ready, StepOutputs, Added, Aborted, PrefixCacheReset, Heartbeat, Failed
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from asyncengine.core.kv_events import KvEvent
 from asyncengine.engine.llm_engine import EngineStats
 from asyncengine.engine.validator import ValidatedRequest
 from asyncengine.outputs import RequestOutput
@@ -52,11 +53,17 @@ class AbortRequests(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
+    """Forget every cached prefix if no request holds a block; `PrefixCacheReset` answers."""
+
+    ticket: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort what is in flight and exit."""
 
 
-ToEngine = AddRequest | AbortRequests | Shutdown
+ToEngine = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
 
 
 # -- engine -> front ------------------------------------------------------------------------
@@ -82,6 +89,7 @@ class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
     step: StepStats | None
     stats: EngineStats
     phases: dict[str, str] | None = None
+    kv_events: list[KvEvent] = []  # the step's prefix-cache events, when they are on
 
 
 class Added(msgspec.Struct, tag=True, array_like=True):
@@ -105,6 +113,14 @@ class Aborted(msgspec.Struct, tag=True, array_like=True):
 
     ticket: int
     request_ids: list[str]
+
+
+class PrefixCacheReset(msgspec.Struct, tag=True, array_like=True):
+    """Whether `ResetPrefixCache` with this ticket reset the cache (its CLEARED event came in
+    a `StepOutputs` before this)."""
+
+    ticket: int
+    is_reset: bool
 
 
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
@@ -138,7 +154,7 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
         return RuntimeError(self.reason)
 
 
-FromEngine = Ready | StepOutputs | Added | Aborted | Heartbeat | Failed
+FromEngine = Ready | StepOutputs | Added | Aborted | PrefixCacheReset | Heartbeat | Failed
 
 
 def request_id_of_malformed(frame: bytes) -> str | None:

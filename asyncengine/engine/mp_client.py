@@ -38,7 +38,9 @@ from asyncengine.engine.messages import (
     Failed,
     FromEngine,
     Heartbeat,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     Shutdown,
     StepOutputs,
 )
@@ -135,6 +137,7 @@ class MPClient:
         self._phases: dict[str, str] = {}
         self._adding: dict[str, asyncio.Future[Queued | None]] = {}  # constrained, by core id
         self._aborting: dict[int, asyncio.Future[list[str]]] = {}  # by ticket
+        self._resetting: dict[int, asyncio.Future[bool]] = {}  # by ticket
         self._tickets = itertools.count()
         self._sink: OutputSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -211,6 +214,17 @@ class MPClient:
         self._aborting[ticket] = reply
         self._send(AbortRequests(ticket, request_ids))
         return reply
+
+    async def reset_prefix_cache(self) -> bool:
+        self.check_health()
+        reply: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        ticket = next(self._tickets)
+        self._resetting[ticket] = reply
+        self._send(ResetPrefixCache(ticket))
+        try:
+            return await reply
+        finally:
+            self._resetting.pop(ticket, None)
 
     def get_stats(self) -> EngineStats:
         return self._stats
@@ -333,6 +347,10 @@ class MPClient:
                 self._on_outputs(message)
             elif isinstance(message, Added):
                 self._on_added(message)
+            elif isinstance(message, PrefixCacheReset):
+                resetting = self._resetting.pop(message.ticket, None)
+                if resetting is not None and not resetting.done():
+                    resetting.set_result(message.is_reset)
             elif isinstance(message, Aborted):
                 reply = self._aborting.pop(message.ticket, None)
                 if reply is not None and not reply.done():
@@ -349,6 +367,8 @@ class MPClient:
             self._phases = message.phases
         assert self._sink is not None
         self._sink.on_outputs(message.outputs, message.step)
+        if message.kv_events:
+            self._sink.on_kv_events(message.kv_events)
         if self._adding:  # constrained requests aborted while compiling end here
             for out in message.outputs:
                 reply = self._adding.pop(out.request_id, None) if out.finished else None
@@ -382,6 +402,9 @@ class MPClient:
         for aborted in self._aborting.values():
             if not aborted.done():
                 aborted.set_result([])
+        for resetting in self._resetting.values():
+            if not resetting.done():
+                resetting.set_exception(dead)
         self._adding.clear()
         self._aborting.clear()
         if self._sink is not None:

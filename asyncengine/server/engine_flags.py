@@ -47,6 +47,8 @@ CACHE = FlagGroup(
         "but a lone request with less than a block computed is recomputed)",
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes (off by itself for "
         "sliding-window models)",
+        "enable_kv_events": "publish the prefix cache's stored / removed / cleared blocks to "
+        "SubscribeKvEvents (SMG's event-driven cache_aware routing) and engine.kv_events()",
         "expected_concurrency": "the peak of concurrent requests you expect: a warning at start-up "
         "if max_num_seqs is far from 1.2-1.5x it (default: no check)",
         "max_prompt_bytes": "a text prompt longer than this many UTF-8 bytes is refused before it "

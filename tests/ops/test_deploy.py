@@ -91,7 +91,7 @@ def test_the_validators_do_reject_mistakes() -> None:
 def test_probes_use_the_grpc_health_service_and_termination_covers_the_drain() -> None:
     main = container()
     ports = {p["name"]: p["containerPort"] for p in main["ports"]}
-    args = dict(a.removeprefix("--").split("=", 1) for a in main["args"])
+    args = dict(a.removeprefix("--").partition("=")[::2] for a in main["args"])
     assert int(args["port"]) == ports["grpc"] and int(args["metrics-port"]) == ports["metrics"]
     probes = {name: main[name]["grpc"] for name in ("startupProbe", "readinessProbe",
                                                       "livenessProbe")}  # fmt: skip

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator
@@ -44,6 +45,23 @@ class Gateway:
     log_path: Path
     model: str
     tokenizer: Any
+    metrics_port: int = 0
+
+    def metric(self, name: str, **labels: str) -> list[float]:
+        """The values of the gateway's Prometheus series `name` whose labels include `labels`
+        (none while its metrics port is not yet listening)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                text = reply.read().decode()
+        except urllib.error.URLError:
+            return []
+        wanted = [f'{key}="{value}"' for key, value in labels.items()]
+        return [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name + "{") and all(label in line for label in wanted)
+        ]
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         base = f"http://127.0.0.1:{self.port}/v1"
@@ -89,7 +107,7 @@ def wait_ready(gateway: Gateway, deadline_s: float = 120.0) -> None:
 
 def start_smg(
     replicas: list[ServerProcess], policy: str, log_path: Path
-) -> tuple[subprocess.Popen[bytes], int, Path]:
+) -> tuple[subprocess.Popen[bytes], int, Path, int]:
     """`smg launch` in front of the replicas (its ports must be given: it refuses port 0)."""
     port, metrics_port = free_ports(2)
     command = [
@@ -100,7 +118,7 @@ def start_smg(
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    return proc, port, log_path
+    return proc, port, log_path, metrics_port
 
 
 @pytest.fixture(scope="module")
@@ -113,16 +131,16 @@ def gateway(
     template.write_text(CHAT_TEMPLATE)
     replicas = [
         ServerProcess(model, tmp / f"replica{i}.log", "--chat-template", str(template),
-                      "--served-model-name", "tiny")
+                      "--served-model-name", "tiny", "--enable-kv-events")
         for i in range(2)
     ]  # fmt: skip
     proc = None
     try:
         for replica in replicas:
             replica.wait_serving(300)
-        proc, port, log_path = start_smg(replicas, "cache_aware", tmp / "smg.log")
+        proc, port, log_path, metrics_port = start_smg(replicas, "cache_aware", tmp / "smg.log")
         tokenizer = AutoTokenizer.from_pretrained(model)
-        made = Gateway(replicas, proc, port, log_path, "tiny", tokenizer)
+        made = Gateway(replicas, proc, port, log_path, "tiny", tokenizer, metrics_port)
         wait_ready(made)
         yield made
     finally:
@@ -341,11 +359,97 @@ def test_cache_aware_routing_lands_a_shared_prefix_on_one_replica(gateway: Gatew
     assert all(n >= 64 for _, question, n in cached if question > 0), cached
 
 
+def test_the_gateway_consumes_each_replicas_kv_events(gateway: Gateway) -> None:
+    """With --enable-kv-events, smg subscribes to both replicas and indexes the blocks they
+    store (on a worker answering UNIMPLEMENTED it sets smg_kv_events_unavailable to 1)."""
+    prefix = " ".join(f"{w}kv" for w in PREFIX_WORDS * 6)
+    gateway.client().completions.create(model=gateway.model, prompt=prefix, max_tokens=1)
+    wait_for(
+        lambda: sum(gateway.metric("smg_kv_event_blocks_total", op="stored")) >= 4,
+        "the gateway indexed no stored block:\n" + gateway.log_path.read_text()[-3000:],
+    )
+    assert gateway.metric("smg_kv_events_unavailable") in ([], [0.0, 0.0]), gateway.metric(
+        "smg_kv_events_unavailable"
+    )
+    assert sum(gateway.metric("smg_kv_event_batches_total", disposition="applied")) >= 1
+    connected = [line for line in gateway.log_path.read_text().splitlines()
+                 if "KV event stream connected" in line]  # fmt: skip
+    assert all(any(r.target in line for line in connected) for r in gateway.replicas), connected
+
+
+def test_subscribe_kv_events_direct_snapshot_then_the_blocks_a_prompt_stores(
+    gateway: Gateway,
+) -> None:
+    replica = gateway.replicas[1]
+    ids = [7 + (i % 50) for i in range(16 * 3 + 5)]
+    with replica.channel() as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)
+        first = next(events)  # the snapshot: cleared, then whatever the replica holds
+        assert first.snapshot.count >= 1 and first.events[0].WhichOneof("data") == "cleared"
+        list(stub.Generate(greedy(ids, 1), timeout=60))
+        stored: list[Any] = []
+        while sum(len(message.blocks) for message in stored) < 3:
+            batch = next(events)
+            assert batch.sequence_number > first.sequence_number and not batch.HasField("snapshot")
+            stored += [e.stored for e in batch.events if e.WhichOneof("data") == "stored"]
+        events.cancel()
+    blocks = [block for message in stored for block in message.blocks]
+    assert [list(b.token_ids) for b in blocks[:3]] == [ids[:16], ids[16:32], ids[32:48]]
+    assert all(b.block_size == 16 for b in blocks)
+    assert not stored[0].HasField("parent_block_hash")  # the chain starts at the prompt's start
+
+
+def test_a_gateway_started_later_resyncs_from_each_replicas_snapshot(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """What the replicas already hold reaches a new subscriber as one snapshot (cleared, then
+    every cached block): the resync a subscriber that fell behind gets too."""
+    for index, replica in enumerate(gateway.replicas):
+        list(direct_generate(replica, greedy([300 + index + i % 40 for i in range(50)], 1)))
+    proc, port, log_path, metrics_port = start_smg(
+        gateway.replicas, "cache_aware", tmp_path / "smg.log"
+    )
+    try:
+        late = Gateway(gateway.replicas, proc, port, log_path, gateway.model, gateway.tokenizer,
+                       metrics_port)  # fmt: skip
+        snapshot_blocks = wait_for(
+            lambda: (found := late.metric("smg_kv_event_blocks_total", op="snapshot"))
+            and len(found) == 2 and min(found) >= 3 and found,
+            "no snapshot reached the new gateway:\n" + log_path.read_text()[-3000:],
+        )  # fmt: skip
+        assert late.metric("smg_kv_event_resyncs_total", reason="snapshot") == [1.0, 1.0]
+        indexed = late.metric("smg_kv_index_blocks")
+        assert sorted(indexed) == sorted(snapshot_blocks), (indexed, snapshot_blocks)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_flush_cache_clears_the_replicas_prefix_cache_and_says_so_on_its_kv_events(
+    gateway: Gateway,
+) -> None:
+    replica = gateway.replicas[1]
+    ids = [200 + i % 30 for i in range(40)]
+    with replica.channel() as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        list(stub.Generate(greedy(ids, 1), timeout=60))
+        events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=60)
+        next(events)  # the snapshot
+        flushed = stub.FlushCache(common_pb2.FlushCacheRequest(timeout_s=10), timeout=30)
+        assert flushed.success, flushed.message
+        batch = next(events)
+        events.cancel()
+        assert [e.WhichOneof("data") for e in batch.events] == ["cleared"]
+        (again,) = list(stub.Generate(greedy(ids, 1), timeout=60))[-1:]
+    assert again.complete.cached_tokens == 0  # the prefix was forgotten
+
+
 def test_a_replica_killed_mid_stream_leaves_the_other_whole(
     gateway: Gateway, tmp_path: Path
 ) -> None:
     # round-robin puts two of the four streams on each replica (cache_aware, idle, may not)
-    proc, port, log_path = start_smg(gateway.replicas, "round_robin", tmp_path / "smg.log")
+    proc, port, log_path, _ = start_smg(gateway.replicas, "round_robin", tmp_path / "smg.log")
     try:
         rr = Gateway(gateway.replicas, proc, port, log_path, gateway.model, gateway.tokenizer)
         wait_ready(rr)

@@ -5,6 +5,8 @@ asyncengine.v1's; only the messages differ."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +17,7 @@ from smg_grpc_proto import vllm_engine_pb2 as pb
 from smg_grpc_proto import vllm_engine_pb2_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from asyncengine.engine.kv_events import TooManySubscribersError
 from asyncengine.errors import InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
@@ -27,13 +30,15 @@ from asyncengine.server.errors import (
 )
 from asyncengine.server.state import ServerState
 from asyncengine.server.stream_writer import StreamWriter
-from asyncengine.server.vllm_worker import convert, info
+from asyncengine.server.vllm_worker import convert, info, kv_events
 from asyncengine.server.vllm_worker.tokenizer_zip import TokenizerZip
 
 logger = get_logger(__name__)
 PROTOCOL = "smg"  # the log lines' protocol field
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 MAX_ABORT_IDS = 1024
+MAX_FLUSH_WAIT_S = 60.0
+FLUSH_POLL_S = 0.05
 
 
 class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
@@ -177,8 +182,45 @@ class VllmWorkerServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         for chunk in TokenizerZip.chunks(data, digest):
             yield chunk
 
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        """Forget the prefix cache (a `cleared` KV event) once no request holds a KV block,
+        waiting up to `timeout_s` (at most MAX_FLUSH_WAIT_S) for that. Operators only, where
+        tenants have tokens of their own."""
+        try:
+            _, is_operator = self._state.tenants.abort_scope(context.invocation_metadata() or ())
+        except UnauthenticatedError as exc:
+            await abort_rpc(context, exc)
+        if not is_operator:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "FlushCache needs a Control token"
+            )
+        deadline = time.monotonic() + min(max(request.timeout_s, 0.0), MAX_FLUSH_WAIT_S)
+        while not await self._engine.reset_prefix_cache():
+            if time.monotonic() >= deadline:
+                return common_pb2.FlushCacheResponse(
+                    success=False, message="requests hold KV blocks; the cache was not flushed"
+                )
+            await asyncio.sleep(FLUSH_POLL_S)
+        return common_pb2.FlushCacheResponse(success=True, message="the prefix cache is empty")
+
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV cache events are not served yet")
-        yield common_pb2.KvEventBatch()  # unreachable: makes this an async generator
+        """The prefix cache's events (`--enable-kv-events`; else UNIMPLEMENTED, which the
+        gateway reads as "this worker publishes none"), from `start_sequence_number` on."""
+        if not self._engine.config.cache_config.enable_kv_events:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "KV cache events are off (--enable-kv-events)"
+            )
+        if self._engine.errored:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is dead")
+        try:
+            subscription = self._engine.kv_events(request.start_sequence_number)
+        except TooManySubscribersError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        block_size = self._engine.config.cache_config.block_size
+        async with subscription:
+            async for batch in subscription:
+                yield kv_events.batch_message(batch, block_size)
