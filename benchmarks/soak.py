@@ -27,6 +27,8 @@ stream ended CANCELLED that nobody cancelled, or a refusal counted past the admi
     python benchmarks/soak.py --model default      # the bundled model, 10 rounds of 150 streams
     python benchmarks/soak.py --fake-runner        # scripted tokens: the server's own paths
     python benchmarks/soak.py --rounds 1 --streams 60 --json
+    python benchmarks/soak.py --rounds 2 --streams 0 --stalled 0 --big-bodies "" --no-hostile
+                                                   # the burst phase alone, twice
 """
 
 from __future__ import annotations
@@ -582,8 +584,9 @@ async def soak(ns: argparse.Namespace, model: str, log_path: Path) -> dict[str, 
             env = {"shape": shape, "target": target, "control": control, "pid": proc.pid,
                    "http": f"127.0.0.1:{http_port}"}  # fmt: skip
             report["rounds"] = [await run_round(i, ns, env) for i in range(ns.rounds)]
-            report["hostile"] = await hostile_phase(target, ns)
-            report["after_hostile"] = await measure(control, target, shape, proc.pid, ns)
+            if not ns.no_hostile:
+                report["hostile"] = await hostile_phase(target, ns)
+                report["after_hostile"] = await measure(control, target, shape, proc.pid, ns)
     except grpc.aio.AioRpcError as exc:  # the server died or hung: say so, with its log
         report["error"] = f"{exc.code().name}: {exc.details()}"
     finally:
@@ -632,6 +635,8 @@ def parse_args() -> argparse.Namespace:
     add("--burst-tokens", type=int, default=64, help="tokens of each burst stream")
     add("--burst-timeout", type=float, default=180.0, help="longest wait for the burst to end")
     add("--canary-warmup", type=float, default=2.0, help="seconds of normal canary gaps")
+    add("--no-hostile", action="store_true", help="skip the hostile requests after the last "
+        "round (with --streams 0 --stalled 0 --big-bodies '': the burst phase alone)")  # fmt: skip
     add("--num-stops", type=int, default=1_000_000, help="stop strings of the hostile request")
     add("--hostile-timeout", type=float, default=60.0, help="deadline of each hostile request")
     add("--idle-timeout", type=float, default=60.0, help="longest wait for the engine to idle")

@@ -40,6 +40,9 @@ class Canary:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.starts: set[int] = set()  # indexes in `times` of each stream's first message
+        # ... and of each stream's first token: the gap before it is the wait in admission's
+        # queue (behind --max-queued-requests others), a documented limit and not a stall
+        self.first_tokens: set[int] = set()
         self.errors: Counter[str] = Counter()
         self.stop = asyncio.Event()
 
@@ -54,8 +57,12 @@ class Canary:
             while not self.stop.is_set():
                 call = stub.GenerateStream(request, timeout=600)
                 self.starts.add(len(self.times))
+                has_token = False
                 try:
-                    while (await call.read()) is not grpc.aio.EOF:
+                    while (message := await call.read()) is not grpc.aio.EOF:
+                        if not has_token and message.WhichOneof("event") == "delta":
+                            has_token = True
+                            self.first_tokens.add(len(self.times))
                         self.times.append(time.perf_counter())
                         if self.stop.is_set():
                             call.cancel()
@@ -67,13 +74,14 @@ class Canary:
     def gaps(self, start: float, end: float, within_streams: bool = False) -> list[float]:
         """Gaps between messages that overlap [start, end] (the one spanning `end` included);
         `within_streams` leaves out those between one stream's end and the next's start (where
-        admission may refuse the canary for a while: a documented limit, not a stall)."""
+        admission may refuse the canary for a while: a documented limit, not a stall) and those
+        before each stream's first token (its wait in admission's queue)."""
         return [b - a for a, b in self.spans(start, end, within_streams)]
 
     def spans(self, start: float, end: float, within_streams: bool = False) -> list[tuple]:
         """(from, to) of each gap of `gaps`."""
         pairs = zip(range(1, len(self.times)), self.times, self.times[1:])
-        skip = self.starts if within_streams else set()
+        skip = self.starts | self.first_tokens if within_streams else set()
         spans = [(a, b) for i, a, b in pairs if b >= start and a <= end and i not in skip]
         if self.times and self.times[-1] < end:
             spans.append((self.times[-1], end))  # still silent when the window closed
@@ -137,18 +145,24 @@ async def hostile_phase(target: str, ns: argparse.Namespace) -> dict[str, Any]:
 
 def gap_figures(canary: Canary, normal: tuple[float, float], during: tuple[float, float]) -> dict:
     """The canary's median gap over `normal`, its worst within a stream over `during` and the
-    difference (ms), and its worst gap counting those between streams (admission's waits)."""
+    difference (ms), its worst gap counting those between streams (admission's refusals),
+    and its longest wait for a first token (in admission's queue, left out of the first)."""
     normal_gaps = canary.gaps(*normal, within_streams=True)
     normal_ms = statistics.median(normal_gaps) * 1000 if normal_gaps else float("nan")
     worst_ms = max(canary.gaps(*during, within_streams=True), default=float("nan")) * 1000
     any_ms = max(canary.gaps(*during), default=float("nan")) * 1000
+    # the canary's waits for its first token (in admission's queue) that ended in the phase
+    times = canary.times
+    waits = [times[i] - times[i - 1] for i in canary.first_tokens
+             if i > 0 and during[0] <= times[i] <= during[1]]  # fmt: skip
     # when the worst gap began, from the phase's start (at once: the requests' arrival)
     spans = canary.spans(*during, within_streams=True)
     worst_at_s = max(spans, key=lambda ab: ab[1] - ab[0], default=during)[0] - during[0]
     return {"canary_gap_p50_ms": round(normal_ms, 2), "canary_worst_gap_ms": round(worst_ms, 1),
             "canary_excess_ms": round(worst_ms - normal_ms, 1),
             "canary_worst_gap_at_s": round(worst_at_s, 2),
-            "canary_worst_gap_across_streams_ms": round(any_ms, 1)}  # fmt: skip
+            "canary_worst_gap_across_streams_ms": round(any_ms, 1),
+            "canary_first_token_wait_ms": round(max(waits, default=0) * 1000, 1)}  # fmt: skip
 
 
 # -- big bodies (benchmarks/big_bodies.py sends each from a process of its own) ---------------

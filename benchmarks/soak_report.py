@@ -198,7 +198,9 @@ def print_rounds(report: dict[str, Any], ns: argparse.Namespace) -> None:
             "peak admitted", "stuck (probe)", "RSS MiB", "peak RSS", "stall seen",
             "stall ended"]  # fmt: skip
     table = [head]
-    for row in [*report["rounds"], {**report["after_hostile"], "round": "after hostile"}]:
+    hostile = report.get("after_hostile")
+    after = [{**hostile, "round": "after hostile"}] if hostile else []
+    for row in [*report["rounds"], *after]:
         table.append([str(c) for c in (
             row["round"], row.get("streams", ""), row.get("wall_s", ""), row["idle"],
             row["leaked_gpu_blocks"], row["leaked_cpu_blocks"], row["admitted"],
@@ -232,7 +234,9 @@ def print_streams(report: dict[str, Any]) -> None:
 
 
 def print_hostile(report: dict[str, Any]) -> None:
-    hostile = report["hostile"]
+    hostile = report.get("hostile")
+    if hostile is None:  # --no-hostile
+        return
     errors = f", errors {hostile['canary_errors']}" if hostile["canary_errors"] else ""
     print(
         f"\ncanary: {hostile['canary_messages']} messages, normal gap p50 "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -88,6 +89,8 @@ class AsyncLLMEngine:
         self._dead: EngineDeadError | None = None
         self._throughput = ThroughputMeter()
         self._kv_events = KvEventHub() if self.config.cache_config.enable_kv_events else None
+        # a filtered debug call still costs ~7 us through the logger's proxy: once per step
+        self._is_step_logged = logger.bind().is_enabled_for(logging.DEBUG)
 
     @classmethod
     def from_engine_args(
@@ -427,7 +430,8 @@ class AsyncLLMEngine:
             self._throughput.add(step.num_generated_tokens)
             if self.observer is not None:
                 self.observer.on_step(step)
-            logger.debug("step", num_outputs=len(outputs), **vars(step))
+            if self._is_step_logged:
+                logger.debug("step", num_outputs=len(outputs), **vars(step))
 
     def _end(self, stream: RequestStream, final: RequestOutput) -> None:
         """Give a stream its final output (a failed request its error instead), once."""

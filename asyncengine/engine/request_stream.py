@@ -5,15 +5,17 @@ from __future__ import annotations
 import asyncio
 
 from asyncengine.engine.timers import LazyTimer
-from asyncengine.outputs import RequestOutput
+from asyncengine.outputs import CompletionOutput, RequestOutput
 
 
 class RequestStream:
     """One request's outputs as the step loop makes them, for its caller to take.
 
     The step loop never waits for a caller: a CUMULATIVE output replaces the one not yet
-    taken (it carries every token of it) and a DELTA output is merged into it, so a slow
-    caller costs one pending output, bounded by its own request's size.
+    taken (it carries every token of it) and DELTA outputs are merged into one, so a slow
+    caller costs one pending output, bounded by its own request's size. DELTAs are merged
+    when the caller takes them, all at once: a step's `put` only appends (an engine that
+    steps faster than its caller reads puts many per take).
     """
 
     def __init__(self, request_id: str, is_delta: bool = False, num_samples: int = 1) -> None:
@@ -24,6 +26,7 @@ class RequestStream:
         self.prompt_token_ids: list[int] = []  # set once the prompt is tokenized
         self.core_id: str | None = None  # the core's id for it, once handed to the core
         self._pending: RequestOutput | None = None
+        self._later: list[RequestOutput] = []  # DELTAs put after `_pending`, not merged yet
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self.is_finished = False  # the final output, or an error, was put
@@ -34,7 +37,7 @@ class RequestStream:
         if self._error is not None:
             return
         if self.is_delta and self._pending is not None:
-            self._pending.extend(out)
+            self._later.append(out)
         else:
             self._pending = out
         self.is_finished = out.finished
@@ -42,6 +45,7 @@ class RequestStream:
 
     def fail(self, error: BaseException) -> None:
         self._error, self._pending = error, None
+        self._later.clear()
         self.is_finished = True
         self._ready.set()
 
@@ -74,6 +78,9 @@ class RequestStream:
         out, self._pending = self._pending, None
         self._ready.clear()
         assert out is not None
+        if self._later:
+            _merge_deltas(out, self._later)
+            self._later.clear()
         if out.finished and self._timer is not None:
             self._timer.close()
         return out
@@ -81,3 +88,30 @@ class RequestStream:
     def _time_out(self) -> None:
         self._timed_out = True
         self._ready.set()
+
+
+def _merge_deltas(out: RequestOutput, later: list[RequestOutput]) -> None:
+    """Merge later DELTA outputs of a request into `out`, as `RequestOutput.extend` one by one
+    would, with each sample's text and tokens joined once (not copied per output)."""
+    by_index: dict[int, list[CompletionOutput]] = {c.index: [c] for c in out.outputs}
+    for each in later:
+        for completion in each.outputs:
+            by_index.setdefault(completion.index, []).append(completion)
+    merged = []
+    for index in sorted(by_index):
+        parts = by_index[index]
+        first, last = parts[0], parts[-1]
+        if len(parts) > 1:
+            first.text = "".join([part.text for part in parts])
+            first.token_ids = [token for part in parts for token in part.token_ids]
+            if any(part.logprobs is not None for part in parts):
+                first.logprobs = [entry for part in parts for entry in part.logprobs or ()]
+            first.finish, first.stop_reason = last.finish, last.stop_reason
+            first.cumulative_logprob = last.cumulative_logprob
+        merged.append(first)
+    out.outputs = merged
+    final = later[-1]
+    out.finished, out.error, out.metrics = final.finished, final.error, final.metrics
+    for each in later:
+        if each.prompt_logprobs is not None:
+            out.prompt_logprobs = each.prompt_logprobs

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from asyncengine.engine.request_stream import RequestStream
-from asyncengine.errors import DuplicateRequestError, InvalidRequestError
+from asyncengine.errors import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
 from asyncengine.sampling_params import SamplingParams
@@ -44,6 +44,19 @@ def finish_label(completion: CompletionOutput, abort_reason: AbortReason | None)
     if finish is FinishReason.ABORTED and abort_reason is not None:
         return abort_reason.name
     return finish.name
+
+
+def refusal_when_full(state: ServerState) -> EngineOverloadedError | None:
+    """The refusal a new one-request call gets at once when admission is full (None: it may be
+    admitted), before its request is parsed or checked: in a burst most calls end here, so
+    this path builds nothing per call. The same error `ServerState.admit` raises."""
+    num_admitted, limit = state.num_admitted, state.max_in_flight
+    if num_admitted < limit or state.is_draining:  # draining: admit's own answer
+        return None
+    return EngineOverloadedError(
+        f"{num_admitted} requests admitted; the limit is {limit}",
+        retry_after_s=state.options.retry_after,
+    )
 
 
 def _no_translation(exc: InvalidRequestError, index: int | None) -> Exception:

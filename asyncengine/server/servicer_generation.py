@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import structlog
+from grpc_status import rpc_status
 
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.errors import InvalidRequestError
@@ -18,12 +19,13 @@ from asyncengine.outputs import CompletionOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 from asyncengine.server import convert
 from asyncengine.server.abort_reason import AbortReason
-from asyncengine.server.call import LOGGED_ID_LEN, Call
+from asyncengine.server.call import LOGGED_ID_LEN, Call, refusal_when_full
 from asyncengine.server.errors import (
     ClientStalledError,
     InvalidFieldError,
     abort_rpc,
     set_final_status,
+    status_for,
 )
 from asyncengine.server.state import ServerState
 from asyncengine.server.stream_writer import StreamWriter
@@ -39,6 +41,9 @@ MAX_DETOKENIZE_SEQUENCES = 256
 # A byte-level token is at least one byte, so this bounds them before any work; counts and ids
 # (built in C) stay bounded by max_prompt_bytes only.
 MAX_DETAILED_TOKENIZE_BYTES = 65_536
+# refusal statuses kept, by their details (they differ only when the admitted count passes
+# the limit, which it does not): a burst's refusals build no status each
+_MAX_CACHED_REFUSALS = 16
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -48,10 +53,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._state = state
         self._engine = state.engine
         self._tokenizer = state.engine.get_tokenizer()
+        self._refusals: dict[str, Any] = {}
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> None:
+        refusal = refusal_when_full(self._state)
+        if refusal is not None:  # before anything is built for the request
+            await self._refuse(context, refusal)
         request_id = request.request_id or uuid.uuid4().hex
         with structlog.contextvars.bound_contextvars(request_id=request_id[:LOGGED_ID_LEN]):
             try:
@@ -141,6 +150,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except InvalidRequestError as exc:
                 await abort_rpc(context, convert.field_error(exc, f"sequences[{i}].ids"))
         return pb.DetokenizeResponse(texts=texts)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, refusal: Exception) -> NoReturn:
+        """End the call with RESOURCE_EXHAUSTED and its RetryInfo, the status built once."""
+        details = str(refusal)
+        status = self._refusals.get(details)
+        if status is None:
+            if len(self._refusals) >= _MAX_CACHED_REFUSALS:
+                self._refusals.clear()
+            status = self._refusals[details] = rpc_status.to_status(status_for(refusal))
+        await context.abort(status.code, status.details, status.trailing_metadata)
+        raise AssertionError("abort returned")  # it always raises
 
     # -- bounds of the tokenizer calls -------------------------------------------------------
 

@@ -27,8 +27,8 @@ GROUPS = {
     "engine: model and device": "--model --tokenizer --dtype --device --attention-backend --seed",
     "engine: KV cache and scheduling": "--block-size --gpu-memory-utilization --swap-space "
     "--num-gpu-blocks-override --num-cpu-blocks-override --max-num-seqs "
-    "--max-num-batched-tokens --max-model-len --preemption-mode --enable-prefix-caching --enable-kv-events "
-    "--expected-concurrency --max-prompt-bytes",
+    "--max-num-batched-tokens --max-model-len --preemption-mode --enable-prefix-caching "
+    "--enable-kv-events --expected-concurrency --max-prompt-bytes",
     "engine: structured outputs": "--grammar-compile-threads --max-grammar-compile-s "
     "--max-grammar-cache-bytes",
     "parallelism": "--tensor-parallel-size --num-nodes --distributed-init-method "
