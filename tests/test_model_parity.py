@@ -51,9 +51,14 @@ def encode_prompts(model_dir: Path) -> list[list[int]]:
 
 
 def assert_matches_hf(
-    outs: list[RequestOutput], model_dir: Path, hf_greedy: HFGreedy, label: str
+    outs: list[RequestOutput],
+    model_dir: Path,
+    hf_greedy: HFGreedy,
+    label: str,
+    max_tokens: int = MAX_TOKENS,
 ) -> None:
-    """Every output equals HF greedy; a failure lists each differing prompt and position."""
+    """Every output equals HF greedy over `max_tokens`; a failure lists each differing prompt
+    and position."""
     prompts = encode_prompts(model_dir)
     assert len(outs) == len(prompts)
     problems = []
@@ -65,7 +70,7 @@ def assert_matches_hf(
             problems.append(f"prompt {i}: prompt_token_ids differ from AutoTokenizer's")
             continue
         got = out.outputs[0].token_ids
-        expected = hf_greedy(model_dir, prompt_token_ids, MAX_TOKENS)
+        expected = hf_greedy(model_dir, prompt_token_ids, max_tokens)
         if got != expected:
             pos = first_difference(got, expected)
             if pos == min(len(got), len(expected)):

@@ -261,8 +261,9 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if __name__ == "__main__":  # not needed (the workers never re-run it), and still fine
     torch.set_num_threads(1)
+    # a fixed cache: sized from free memory, it came out empty where other jobs held the RAM
     llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", max_num_seqs=2,
-              tensor_parallel_size=2)
+              tensor_parallel_size=2, num_gpu_blocks_override=256, num_cpu_blocks_override=0)
     print("pids", *llm.llm_engine.model_runner.worker_pids, flush=True)
     ending = sys.argv[2]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -328,7 +329,8 @@ from asyncengine import LLM, SamplingParams
 
 torch.set_num_threads(1)
 llm = LLM(model={model!r}, device="cpu", dtype="float32", seed=0, block_size=16,
-          max_num_seqs=16, tensor_parallel_size=2)
+          max_num_seqs=16, tensor_parallel_size=2, num_gpu_blocks_override=256,
+          num_cpu_blocks_override=0)
 params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 outs = llm.generate({prompts!r}, params, use_tqdm=False)
 print("tokens", json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)

@@ -29,6 +29,13 @@ ModelDirFactory = Callable[..., Path]  # the `model_dir` fixture of tests/confte
 TOKEN = "e2e-token"
 CONTROL_TOKEN = "e2e-control-token"  # with tenant tokens, Control takes only its own
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+# gRPC backs off between failed connects (1 s, 1.6 s, 2.6 s, ...): a poller's default channel
+# saw a server that came up after 30 s of imports ~15 s late; 100 ms between connects does not
+FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 100),
+]
 
 
 def logged_port(log: Path, server: subprocess.Popen, timeout: float) -> int:
@@ -60,7 +67,7 @@ def target(model_dir: ModelDirFactory, tmp_path_factory: pytest.TempPathFactory)
     try:
         # generous: at the suite's start it comes up beside the shared servers, on 2 cores
         target = f"127.0.0.1:{logged_port(log, server, timeout=300)}"
-        with Client(target) as client:  # health needs no token
+        with Client(target, options=FAST_RECONNECT) as client:  # health needs no token
             deadline = time.monotonic() + 300
             while server.poll() is None and time.monotonic() < deadline:
                 with contextlib.suppress(UnavailableError):  # not listening yet

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 from kv_inputs import assert_close, make_paged_kv
-from test_model_parity import GREEDY, assert_matches_hf, assert_nothing_left_behind, make_llm
+from test_model_parity import assert_matches_hf, assert_nothing_left_behind, make_llm
 
-from asyncengine import EngineArgs
+from asyncengine import EngineArgs, SamplingParams
 from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.testing import HF_PROMPTS
 from asyncengine.worker.attention import torch_attention
@@ -21,6 +21,17 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from conftest import HFGreedy, ModelDirFactory
+
+# The interpreter runs each decode program in Python, ~3 s a step for HF_PROMPTS: 8 tokens (not
+# test_model_parity's 32) still take the decodes of 5 of the 11 prompts across a block boundary.
+BLOCK_SIZE, MAX_TOKENS = 16, 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def num_decodes_crossing_a_block(prompt_lens: list[int]) -> int:
+    """How many sequences write a decode token's K/V at the first slot of a new block."""
+    # decode steps write positions len .. len + MAX_TOKENS - 2 (the last token is not fed back)
+    return sum(any(p % BLOCK_SIZE == 0 for p in range(n, n + MAX_TOKENS - 1)) for n in prompt_lens)
 
 
 def mixed_batch(
@@ -111,9 +122,10 @@ def test_greedy_parity_with_triton_backend(
     kernels: ModuleType, model_dir: ModelDirFactory, hf_greedy: HFGreedy
 ) -> None:
     path: Path = model_dir("llama")
-    llm = make_llm(path, attention_backend="triton")
+    llm = make_llm(path, attention_backend="triton", block_size=BLOCK_SIZE)
     outs = llm.generate(HF_PROMPTS, GREEDY, use_tqdm=False)
-    assert_matches_hf(outs, path, hf_greedy, "llama attention_backend=triton")
+    assert num_decodes_crossing_a_block([len(o.prompt_token_ids) for o in outs]) >= 3
+    assert_matches_hf(outs, path, hf_greedy, "llama attention_backend=triton", MAX_TOKENS)
     assert_nothing_left_behind(llm)
 
 
@@ -124,11 +136,13 @@ def test_greedy_parity_with_triton_backend_under_swap_preemption(
     llm = make_llm(
         path,
         attention_backend="triton",
+        block_size=BLOCK_SIZE,
         num_gpu_blocks_override=40,
         num_cpu_blocks_override=200,
         preemption_mode="swap",
     )
     outs = llm.generate(HF_PROMPTS, GREEDY, use_tqdm=False)
-    assert_matches_hf(outs, path, hf_greedy, "llama attention_backend=triton, swap preemption")
+    label = "llama attention_backend=triton, swap preemption"
+    assert_matches_hf(outs, path, hf_greedy, label, MAX_TOKENS)
     assert llm.get_stats().num_preemptions_swap > 0
     assert_nothing_left_behind(llm)
