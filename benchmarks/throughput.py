@@ -12,6 +12,9 @@ Three systems run the same requests on the same model, dtype and torch thread co
 Workloads use random token ids (no tokenizer), lengths drawn from `--seed`: `mixed` (prompt and
 output lengths uniform in the given ranges) and `uniform` (fresh prompts, one output length).
 Each (system, workload) pair gets an untimed warm-up on separate prompts, so no prefix cache helps.
+Then the workload is timed twice (`--passes 2`, the default): the first pass, then a second on
+fresh prompts of the same lengths, which meets the same batch shapes; `1st/2nd` is what a
+server's first encounter with each batch shape costs (issue 27: once 0.5).
 
 `--dtype` takes a list (`float32,bfloat16,auto`; `auto` is the engine's default on this machine,
 run once if it equals another entry, and HF runs in the same dtype). `--rounds N` measures each
@@ -141,7 +144,8 @@ class Result:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     wall_s: float = float("nan")
-    gen_tok_s: float = float("nan")
+    gen_tok_s: float = float("nan")  # the first timed pass
+    second_pass_tok_s: float | None = None  # the same lengths again, fresh prompts
     total_tok_s: float = float("nan")
     speedup_of_asyncengine: float | None = None
     other_cores: float | None = None
@@ -191,8 +195,12 @@ def make_workloads(args: argparse.Namespace, token_ids: Sequence[int]) -> dict[s
             "uniform", sample_prompts(rng, token_ids, prompt_lens), [uniform_len] * n
         ),
     }
-    num_warm = max(1, min(args.warmup_requests, n))
+    # the second pass: the same lengths (so the same batch shapes), fresh prompts
     for name, wl in list(workloads.items()):
+        again = sample_prompts(rng, token_ids, [len(p) for p in wl.prompts])
+        workloads[f"again-{name}"] = Workload(f"again-{name}", again, wl.output_lens)
+    num_warm = max(1, min(args.warmup_requests, n))
+    for name, wl in [(k, v) for k, v in workloads.items() if not k.startswith("again-")]:
         warm_out = [min(8, m) for m in wl.output_lens[:num_warm]]
         if wl.is_uniform:
             warm_out = [min(8, uniform_len)] * num_warm
@@ -402,8 +410,11 @@ def make_runner(system: str, cfg: BenchConfig, workloads: Sequence[Workload]) ->
 # Measurement
 
 
-def measure(runner: Runner, system: str, workload: Workload, warmup: Workload) -> Result:
-    """Warm up (untimed), then time one full pass and check every request got its tokens."""
+def measure(
+    runner: Runner, system: str, workload: Workload, warmup: Workload, again: Workload | None
+) -> Result:
+    """Warm up (untimed), then time one full pass and check every request got its tokens;
+    then, with `again`, time a second pass over its (fresh) prompts of the same lengths."""
     result = Result(system=system, workload=workload.name, api=runner.api(workload))
     result.num_requests = len(workload.prompts)
     result.num_prompt_tokens = workload.num_prompt_tokens
@@ -426,6 +437,10 @@ def measure(runner: Runner, system: str, workload: Workload, warmup: Workload) -
     result.outputs = outputs
     result.gen_tok_s = result.num_generated_tokens / result.wall_s
     result.total_tok_s = (result.num_prompt_tokens + result.num_generated_tokens) / result.wall_s
+    if again is not None:
+        start = time.perf_counter()
+        runner.generate(again)
+        result.second_pass_tok_s = again.num_generated_tokens / (time.perf_counter() - start)
     return result
 
 
@@ -461,6 +476,7 @@ def run_dtype(
     systems: Sequence[str],
     names: Sequence[str],
     rounds: int,
+    passes: int = 2,
 ) -> list[Result]:
     """Load every system in `cfg.dtype` once, then measure each on each named workload, `rounds`
     times, alternating the systems' order; errors become result rows."""
@@ -477,16 +493,23 @@ def run_dtype(
         for name in names:
             for system in order:
                 try:
+                    again = workloads[f"again-{name}"] if passes > 1 else None
                     result = measure(
-                        runners[system], system, workloads[name], workloads[f"warmup-{name}"]
+                        runners[system],
+                        system,
+                        workloads[name],
+                        workloads[f"warmup-{name}"],
+                        again,
                     )
                 except Exception as exc:
                     result = Result(system, name, error=_describe(exc))
                 result.dtype, result.round = cfg.dtype, round_index
                 results.append(result)
+                second = result.second_pass_tok_s
                 print(
                     f"  {cfg.dtype} round {round_index}: {system} on {name} "
-                    f"{result.gen_tok_s:.1f} tok/s",
+                    f"{result.gen_tok_s:.1f} tok/s"
+                    + ("" if second is None else f" (second pass {second:.1f})"),
                     file=sys.stderr,
                     flush=True,
                 )
@@ -547,6 +570,8 @@ class Summary:
     num_prompt_tokens: int
     num_generated_tokens: int
     gen_tok_s: float  # median over rounds
+    first_pass_tok_s: float  # round 0's first pass: the shapes met for the first time
+    second_pass_tok_s: float | None  # round 0's second pass: the same shapes again
     speedup_of_asyncengine: float | None  # median of the per-round ratios
     speedup_min: float | None
     speedup_max: float | None
@@ -582,6 +607,8 @@ def summarize(results: list[Result]) -> list[Summary]:
                 num_prompt_tokens=first.num_prompt_tokens,
                 num_generated_tokens=first.num_generated_tokens,
                 gen_tok_s=statistics.median(r.gen_tok_s for r in rows),
+                first_pass_tok_s=first.gen_tok_s,
+                second_pass_tok_s=first.second_pass_tok_s,
                 speedup_of_asyncengine=statistics.median(ratios) if ratios else None,
                 speedup_min=min(ratios) if ratios else None,
                 speedup_max=max(ratios) if ratios else None,
@@ -599,11 +626,12 @@ def format_table(results: list[Result], default_dtype: str = "") -> str:
     """A fixed-width table of medians over rounds; `ae/x` is asyncengine's generated tok/s over
     this row's (median of the rounds' ratios, and their range), `other` the most cores other
     processes used during one of the row's timings, `cpu ae/x` the ratio of tokens per CPU
-    second of the process; `*` marks the engine's default dtype."""
+    second of the process; `*` marks the engine's default dtype; `1st`/`2nd` are round 0's two
+    passes (the second meets the first's batch shapes again) and `1st/2nd` their ratio."""
     head = (
         f"{'dtype':<10} {'workload':<8} {'system':<12} {'api':<22} {'runs':>4} {'reqs':>5} "
         f"{'gen':>6} {'gen tok/s':>9} {'ae/x':>5} {'ae/x range':>11} {'cpu ae/x':>8} "
-        f"{'other':>5}  match vs ref"
+        f"{'other':>5} {'1st':>6} {'2nd':>6} {'1st/2nd':>7}  match vs ref"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -624,10 +652,16 @@ def format_table(results: list[Result], default_dtype: str = "") -> str:
             if row.match_ref is None
             else f"{row.seq_match:.0%} reqs, {row.token_match:.1%} tok vs {row.match_ref}"
         )
+        second = row.second_pass_tok_s
+        passes = f"{row.first_pass_tok_s:>6.1f} " + (
+            f"{'-':>6} {'-':>7}"
+            if second is None
+            else f"{second:>6.1f} {row.first_pass_tok_s / second:>7.2f}"
+        )
         lines.append(
             f"{dtype:<10} {row.workload:<8} {row.system:<12} {row.api:<22} {row.num_rounds:>4} "
             f"{row.num_requests:>5} {row.num_generated_tokens:>6} {row.gen_tok_s:>9.1f} "
-            f"{ratio:>5} {spread:>11} {cpu_ratio:>8} {other:>5}  {match}"
+            f"{ratio:>5} {spread:>11} {cpu_ratio:>8} {other:>5} {passes}  {match}"
         )
     return "\n".join(lines)
 
@@ -679,6 +713,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"comma list from {','.join([*DTYPES, AUTO])} (auto: the engine's default)",
     )
     p.add_argument("--rounds", type=int, default=1, help="timings per (dtype, workload, system)")
+    p.add_argument(
+        "--passes", type=int, choices=(1, 2), default=2, help="2: also time a second pass"
+    )
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of mixed,uniform")
@@ -777,7 +814,12 @@ def benchmark(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     results: list[Result] = []
     for dtype in dtypes:
         results += run_dtype(
-            replace(cfg, dtype=dtype), workloads, args.systems, args.workloads, args.rounds
+            replace(cfg, dtype=dtype),
+            workloads,
+            args.systems,
+            args.workloads,
+            args.rounds,
+            args.passes,
         )
     compare(results)
     # Group the table by dtype, then workload, systems in the order given.

@@ -20,7 +20,11 @@ from asyncengine.server.http.errors import error_content
 logger = get_logger(__name__)
 
 DONE = "data: [DONE]\n\n"
-KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, idle-timeout proxies see bytes
+# A silent stream's keep-alive: a blank line pair, which dispatches no event (no data) and
+# leaves the stream at an event boundary. Not a `: comment`: clients that strip each network
+# chunk before splitting on blank lines (vLLM's `bench serve`) glue a stripped comment to the
+# next event and drop both as a comment; whitespace alone is stripped to nothing.
+KEEPALIVE = "\n\n"
 
 
 def event(chunk: BaseModel, include_usage: bool) -> str:
