@@ -60,27 +60,6 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def warm_up_linear_layers(model: nn.Module, max_rows: int) -> int:
-    """Call each packed weight shape once at every row count up to `max_rows` (padded), so
-    that oneDNN builds those primitives now instead of in the first steps that meet them
-    (~5 ms each in bf16 on AVX-512). Meant for decode's counts (up to max_num_seqs): there
-    a step is tens of ms and a creation is a large share of it; at prefill's hundreds of
-    rows it is a few percent, once, and warming those would cost whole forwards of compute.
-    Returns the number of calls made."""
-    by_shape: dict[tuple[int, int, torch.dtype, bool], PackedLinear] = {}
-    for module in model.modules():
-        if isinstance(module, PackedLinear):
-            key = (module.in_features, module.out_features, module.packed_weight.dtype,
-                   module.bias is None)  # fmt: skip
-            by_shape.setdefault(key, module)
-    counts = sorted({padded_rows(rows) for rows in range(1, max_rows + 1)})
-    with torch.inference_mode():
-        for (in_features, _, dtype, _), module in by_shape.items():
-            for rows in counts:
-                module(torch.zeros(rows, in_features, dtype=dtype))
-    return len(by_shape) * len(counts)
-
-
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every `nn.Linear` of a CPU model by a `PackedLinear`; returns how many.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
 from asyncengine.worker.attention import set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
-from asyncengine.worker.cpu_linear import pack_linear_layers, warm_up_linear_layers
+from asyncengine.worker.cpu_linear import pack_linear_layers
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
 from asyncengine.worker.sampler import FillGrammarMasks, Sampler, prompt_logprobs
 
@@ -82,17 +81,8 @@ class ModelRunner:
         torch.manual_seed(config.model_config.seed)
         model: Any = get_model(config.model_config, self.device, tp)
         set_attention_backend(model, config.device_config.attention_backend)
-        if self.device == "cpu" and pack_linear_layers(model):
-            sched = config.scheduler_config
-            start = time.perf_counter()
-            num_calls = warm_up_linear_layers(
-                model, min(sched.max_num_seqs, sched.max_num_batched_tokens)
-            )
-            logger.info(
-                "linear_primitives_warmed",
-                num_calls=num_calls,
-                seconds=round(time.perf_counter() - start, 3),
-            )
+        if self.device == "cpu":
+            pack_linear_layers(model)
         self.model = model
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)
