@@ -467,7 +467,9 @@ def kill_mid_stream(gateway: Gateway) -> None:
         text, num, error, finish = "", 0, None, None
         try:
             for chunk in client.completions.create(
-                model=gateway.model, prompt=f"Story number {i}:", max_tokens=400, temperature=0,
+                # long enough to still run when the replicas are asked (400 tokens of the tiny
+                # model ended in ~1 s on an idle machine, before the count)
+                model=gateway.model, prompt=f"Story number {i}:", max_tokens=1500, temperature=0,
                 stream=True, extra_body={"ignore_eos": True},
             ):  # fmt: skip
                 if chunk.choices:
@@ -490,7 +492,7 @@ def kill_mid_stream(gateway: Gateway) -> None:
                 vpb.GetServerInfoRequest(), timeout=10
             )
         active.append(info.active_requests)
-    assert all(active), active
+    assert all(active) and sum(active) == 4, (active, results)
     victim = 0
     gateway.replicas[victim].kill()
     for thread in threads:
