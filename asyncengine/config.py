@@ -47,6 +47,8 @@ class CacheConfig:
     enable_prefix_caching: bool
     sliding_window: int | None
     enable_kv_events: bool = False  # only with prefix caching: events follow its index
+    # a fixed device KV cache size instead of what gpu_memory_utilization leaves
+    kv_cache_memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,7 @@ class EngineArgs:
     swap_space: float = 4.0  # GiB of CPU swap blocks
     num_gpu_blocks_override: int | None = None
     num_cpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
@@ -243,6 +246,7 @@ class EngineArgs:
             "max_num_batched_tokens",
             "max_model_len",
             "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
             "expected_concurrency",
             "max_prompt_bytes",
             "grammar_compile_threads",
@@ -307,6 +311,7 @@ class EngineArgs:
             enable_prefix_caching=prefix_caching,
             sliding_window=getattr(hf_config, "sliding_window", None) or None,
             enable_kv_events=self.enable_kv_events and prefix_caching,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -36,6 +36,9 @@ CACHE = FlagGroup(
         "swap_space": "GiB of CPU memory for swapped-out KV blocks",
         "num_gpu_blocks_override": "use exactly this many device KV blocks instead of profiling "
         "(default: as many as --gpu-memory-utilization leaves room for)",
+        "kv_cache_memory_bytes": "give the device KV cache exactly this many bytes instead of "
+        "what --gpu-memory-utilization leaves: on a CPU host shared with other processes, the "
+        "predictable choice (--num-gpu-blocks-override wins over it)",
         "num_cpu_blocks_override": "use exactly this many CPU swap blocks (default: as many as "
         "--swap-space holds)",
         "max_num_seqs": "most requests running in one step",

@@ -130,13 +130,17 @@ def blocks_per_request(max_model_len: int, block_size: int, sliding_window: int 
 
 
 def check_one_request_fits(
-    breakdown: MemoryBreakdown,
+    sized_by: str,
     num_blocks: int,
     block_size: int,
     max_model_len: int,
     sliding_window: int | None = None,
 ) -> None:
-    """Raise if the sized pool cannot hold a single max_model_len request."""
+    """Raise if the sized pool cannot hold a single max_model_len request.
+
+    `sized_by` says where the pool's size came from (a breakdown's `describe()`, or the fixed
+    size asked for), for the error.
+    """
     needed = blocks_per_request(max_model_len, block_size, sliding_window)
     if num_blocks >= needed:
         return
@@ -144,9 +148,9 @@ def check_one_request_fits(
     raise KVCacheSizingError(
         f"the KV cache cannot hold one max_model_len ({max_model_len}) request: {num_blocks} "
         f"blocks of {block_size} tokens hold {fits_len} tokens, {needed} blocks are needed. "
-        f"{breakdown.describe()}. Raise gpu_memory_utilization, lower max_model_len (to at "
-        f"most {fits_len}) or max_num_batched_tokens, lower swap_space on a CPU device, or "
-        f"use a smaller model or dtype"
+        f"{sized_by}. Raise gpu_memory_utilization (or kv_cache_memory_bytes), lower "
+        f"max_model_len (to at most {fits_len}) or max_num_batched_tokens, lower swap_space on "
+        f"a CPU device, or use a smaller model or dtype"
     )
 
 

@@ -115,6 +115,9 @@ class ModelRunner:
                 is_pinned=self.device == "cuda",
             )  # fmt: skip
         num_gpu = cache.num_gpu_blocks_override
+        if num_gpu is None and cache.kv_cache_memory_bytes is not None:
+            num_gpu = self._fixed_num_blocks(cache.kv_cache_memory_bytes, per_block, max_useful)
+            logger.info("kv_cache_sized", num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu)
         if num_gpu is None:
             if self.device == "cuda":
                 breakdown = self._profile_cuda(per_block)
@@ -134,9 +137,20 @@ class ModelRunner:
                 ),
             )
             kv_sizing.check_one_request_fits(
-                breakdown, num_gpu, self.block_size, sched.max_model_len, cache.sliding_window
-            )
+                breakdown.describe(),
+                num_gpu, self.block_size, sched.max_model_len, cache.sliding_window,
+            )  # fmt: skip
         return num_gpu, num_cpu
+
+    def _fixed_num_blocks(self, kv_bytes: int, per_block: int, max_useful: int) -> int:
+        """Blocks of the size asked for (kv_cache_memory_bytes), whatever else holds memory."""
+        cache, sched = self.config.cache_config, self.config.scheduler_config
+        num_blocks = min(kv_bytes // per_block, max_useful)
+        kv_sizing.check_one_request_fits(
+            f"kv_cache_memory_bytes {kv_bytes} at {per_block} bytes per block",
+            num_blocks, self.block_size, sched.max_model_len, cache.sliding_window,
+        )  # fmt: skip
+        return num_blocks
 
     def _weights_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]

@@ -4,6 +4,7 @@ on a tiny model with the host memory it sees replaced; the CUDA path runs only w
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -59,18 +60,20 @@ def test_blocks_are_total_times_utilization_minus_weights_activations_non_torch(
 
 def test_start_up_fails_with_the_numbers_when_one_max_len_request_does_not_fit() -> None:
     b = breakdown(weights_bytes=71 * GiB + 1000 * MiB)  # leaves ~ -20 GiB: nothing
-    kv_sizing.check_one_request_fits(breakdown(), 2048, 16, 32768)  # 2048 x 16 = 32768: fits
+    kv_sizing.check_one_request_fits(
+        breakdown().describe(), 2048, 16, 32768
+    )  # 2048 x 16 = 32768: fits
     with pytest.raises(RuntimeError) as error:
-        kv_sizing.check_one_request_fits(b, 2047, 16, 32768)
+        kv_sizing.check_one_request_fits(b.describe(), 2047, 16, 32768)
     message = str(error.value)
     for text in ("max_model_len (32768)", "2047 blocks of 16 tokens", "2048 blocks are needed",
                  "gpu_memory_utilization 0.9", "weights 71.977 GiB", "activation peak 2.0 GiB",
                  "non-torch 1.0 GiB", "at most 32752"):  # fmt: skip
         assert text in message, (text, message)
     # a sliding window holds the window (plus the block it starts in), not max_model_len
-    kv_sizing.check_one_request_fits(b, 65, 16, 32768, sliding_window=1024)
+    kv_sizing.check_one_request_fits(b.describe(), 65, 16, 32768, sliding_window=1024)
     with pytest.raises(RuntimeError):
-        kv_sizing.check_one_request_fits(b, 64, 16, 32768, sliding_window=1024)
+        kv_sizing.check_one_request_fits(b.describe(), 64, 16, 32768, sliding_window=1024)
 
 
 def test_swap_pool_is_capped_by_host_memory_with_a_start_up_error() -> None:
@@ -128,6 +131,23 @@ def test_start_up_fails_on_a_host_without_room_and_overrides_always_win(
         engine_args(path, num_gpu_blocks_override=3, num_cpu_blocks_override=5)
     )
     assert (engine.block_manager.num_gpu_blocks, engine.block_manager.num_cpu_blocks) == (3, 5)
+
+
+def test_a_fixed_kv_cache_size_ignores_what_other_processes_hold(
+    model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared host with 50 MiB available still gets the KV cache asked for, no more."""
+    monkeypatch.setattr(kv_sizing, "host_memory", lambda: (50 * MiB, 1 * GiB))
+    args = engine_args(model_dir("llama"), num_cpu_blocks_override=0)
+    per_block = ModelRunner(args.create_engine_config()).bytes_per_block()
+    sized = dataclasses.replace(args, kv_cache_memory_bytes=40 * per_block + per_block // 2)
+    engine = LLMEngine.from_engine_args(sized)
+    assert engine.block_manager.num_gpu_blocks == 40
+    # a size that cannot hold one max_model_len (256 = 16 blocks) request fails at start-up
+    with pytest.raises(RuntimeError, match=r"kv_cache_memory_bytes \d+ at \d+ bytes per block"):
+        LLMEngine.from_engine_args(dataclasses.replace(args, kv_cache_memory_bytes=15 * per_block))
+    both = dataclasses.replace(sized, num_gpu_blocks_override=3)
+    assert LLMEngine.from_engine_args(both).block_manager.num_gpu_blocks == 3  # the override wins
 
 
 def test_profile_forward_runs_the_largest_batches(model_dir: Callable[..., Path]) -> None:

@@ -26,7 +26,7 @@ GROUPS = {
     "engine process": "--engine-process --engine-heartbeat-timeout --torch-threads",
     "engine: model and device": "--model --tokenizer --dtype --device --attention-backend --seed",
     "engine: KV cache and scheduling": "--block-size --gpu-memory-utilization --swap-space "
-    "--num-gpu-blocks-override --num-cpu-blocks-override --max-num-seqs "
+    "--num-gpu-blocks-override --kv-cache-memory-bytes --num-cpu-blocks-override --max-num-seqs "
     "--max-num-batched-tokens --max-model-len --preemption-mode --enable-prefix-caching "
     "--enable-kv-events --expected-concurrency --max-prompt-bytes",
     "engine: structured outputs": "--grammar-compile-threads --max-grammar-compile-s "
