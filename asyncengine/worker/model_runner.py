@@ -117,7 +117,13 @@ class ModelRunner:
         num_gpu = cache.num_gpu_blocks_override
         if num_gpu is None and cache.kv_cache_memory_bytes is not None:
             num_gpu = self._fixed_num_blocks(cache.kv_cache_memory_bytes, per_block, max_useful)
-            logger.info("kv_cache_sized", num_gpu_blocks=num_gpu, num_cpu_blocks=num_cpu)
+            logger.info(
+                "kv_cache_sized",
+                kv_cache_memory_bytes=cache.kv_cache_memory_bytes,
+                bytes_per_block=per_block,
+                num_gpu_blocks=num_gpu,
+                num_cpu_blocks=num_cpu,
+            )
         if num_gpu is None:
             if self.device == "cuda":
                 breakdown = self._profile_cuda(per_block)
