@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import failure_reports
 import interrupts
 import pytest
 import torch
@@ -18,6 +19,10 @@ from asyncengine.testing import make_random_model
 
 # in-process tests read the engine's INFO events (a library user's default is WARNING)
 configure_logging("INFO")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(failure_reports, "failure_reports")
 
 
 def pytest_sessionstart() -> None:
