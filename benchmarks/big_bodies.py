@@ -36,6 +36,8 @@ BODIES: dict[str, tuple[str, Callable[[], bytes]]] = {
     "http_nested_3e4": ("http", lambda: _json({"prompt": [list(range(100))] * 33_000})),
     "http_ids": ("http", lambda: _json({"prompt": list(range(1_000_000))})),
     "http_text": ("http", lambda: _json({"prompt": "a" * 63_000_000})),
+    # the largest body the default --max-message-size (8 MiB) reads: a text over its bound
+    "http_text_8m": ("http", lambda: _json({"prompt": "a" * ((8 << 20) - 16)})),
     # the same size as a client with ensure_ascii sends non-ASCII text: escapes to decode
     "http_text_escaped": ("http", lambda: json.dumps({"prompt": "\u00e9" * 10_000_000}).encode()),
     "http_logit_bias": (

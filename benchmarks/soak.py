@@ -19,10 +19,11 @@ After each round, once the engine is idle, it reports what must come back:
 Each round then sends issue 24's big bodies (HTTP and gRPC, each from a process of its own)
 and a burst of 2,000 streams opened at once, while a canary streams; after each, the same
 measure. After the last round a canary stream runs while an 8 MiB text prompt and a request
-with 1,000,000 stop strings are sent: both must be refused fast (INVALID_ARGUMENT). The canary's
-worst gap should stay within 100 ms of its normal gap in every phase (reported), and RSS flat
-over the last 5 rounds (reported). Exits 1 if blocks leaked, admission slots are stuck, a
-stream ended CANCELLED that nobody cancelled, or a refusal counted past the admission limit.
+with 1,000,000 stop strings are sent: both must be refused fast (RESOURCE_EXHAUSTED past the
+default --max-message-size, INVALID_ARGUMENT). The canary's worst gap should stay within 100 ms
+of its normal gap in every phase (reported), and RSS flat over the last 5 rounds (reported).
+Exits 1 if blocks leaked, admission slots are stuck, a stream ended CANCELLED that nobody
+cancelled, or a refusal counted past the admission limit.
 
     python benchmarks/soak.py --model default      # the bundled model, 10 rounds of 150 streams
     python benchmarks/soak.py --fake-runner        # scripted tokens: the server's own paths

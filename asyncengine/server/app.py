@@ -21,7 +21,7 @@ from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from asyncengine.config import EngineArgs
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
-from asyncengine.engine.llm_engine import LLMEngine
+from asyncengine.engine.llm_engine import LLMEngine, freeze_heap
 from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
 from asyncengine.server.decode import MalformedRequestInterceptor
@@ -50,8 +50,9 @@ _WATCH_INTERVAL_S = 0.1
 _STOP_GRACE_S = 2.0
 
 
-def grpc_options(options: ServeOptions) -> list[tuple[str, Any]]:
-    """Channel arguments; the reason for each is in `asyncengine serve --help`."""
+def grpc_options(options: ServeOptions, max_message_size: int) -> list[tuple[str, Any]]:
+    """Channel arguments (`max_message_size`: ServerState's); the reason for each is in
+    `asyncengine serve --help`."""
     ms = lambda seconds: int(seconds * 1000)  # noqa: E731
     age = []
     if options.max_connection_age is not None:
@@ -59,8 +60,8 @@ def grpc_options(options: ServeOptions) -> list[tuple[str, Any]]:
         age = [("grpc.max_connection_age_ms", ms(options.max_connection_age))]
     return [
         *age,
-        ("grpc.max_receive_message_length", options.max_message_size),
-        ("grpc.max_send_message_length", options.max_message_size),
+        ("grpc.max_receive_message_length", max_message_size),
+        ("grpc.max_send_message_length", max_message_size),
         ("grpc.keepalive_time_ms", ms(options.keepalive_time)),
         ("grpc.keepalive_timeout_ms", ms(options.keepalive_timeout)),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -114,7 +115,7 @@ def build_server(state: ServerState, health: GrpcHealth) -> tuple[grpc.aio.Serve
     interceptors.append(MalformedRequestInterceptor(bounds))
     server = grpc.aio.server(
         interceptors=interceptors,
-        options=grpc_options(options),
+        options=grpc_options(options, state.max_message_size),
         maximum_concurrent_rpcs=options.max_concurrent_rpcs,
     )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(state), server)
@@ -193,6 +194,9 @@ async def start(
         host = options.metrics_host or options.host
         metrics_port = state.metrics.start_http(host, options.metrics_port)
         logger.info("metrics_serving", host=host, port=metrics_port, path="/metrics")
+    # the front ends' imports and objects (grpc, FastAPI, pydantic, protobuf) join what the
+    # engine's start froze: a full collection under a burst walked them for ~250 ms
+    freeze_heap()
     await front_ends.start()
     logger.info(
         "serving", host=options.host, port=front_ends.port, model=state.model_name,

@@ -28,7 +28,7 @@ class ServeOptions:
     # scrapers and probes carry no app tokens (vLLM's /metrics is open with --api-key too):
     # the HTTP port's /metrics is open unless operators want it behind their Control token
     auth_metrics: bool = False
-    max_message_size: int = 64 * MiB
+    max_message_size: int | None = None  # None: message_size_limit's rule
     max_queued_requests: int = 1024
     max_concurrent_rpcs: int | None = None
     retry_after: float = 1.0
@@ -58,6 +58,26 @@ class ServeOptions:
     http_port: int | None = None
     http_host: str | None = None
     chat_template: str | None = None
+
+
+# what a message may hold beside its prompt (options, stop strings, a schema) under the default
+MESSAGE_HEADROOM_BYTES = 1 * MiB
+# the default's floor (TGI's whole default is 2 MB): above gRPC's 4 MiB, and what a body this
+# big still costs the loop (msgspec's split, grpc's copy into bytes: ~2 ms a MB) is ~20 ms
+MIN_MESSAGE_SIZE = 8 * MiB
+# bytes a token id of a prompt may take: a six-digit id and its ", " in JSON (a protobuf
+# varint takes at most five)
+PROMPT_ID_BYTES = 8
+
+
+def message_size_limit(options: ServeOptions, max_model_len: int, max_prompt_bytes: int) -> int:
+    """The bytes one gRPC message or HTTP body may have: --max-message-size when given, else
+    8 MiB, or more when the engine's longest prompt (max_model_len token ids, or a text of
+    max_prompt_bytes) needs more, with room for the other fields."""
+    if options.max_message_size is not None:
+        return options.max_message_size
+    longest_prompt = max(PROMPT_ID_BYTES * max_model_len, max_prompt_bytes)
+    return max(MIN_MESSAGE_SIZE, longest_prompt + MESSAGE_HEADROOM_BYTES)
 
 
 def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
@@ -136,6 +156,8 @@ def check_options(options: ServeOptions) -> None:
         raise ValueError("--control-auth-token must differ from every --auth-token")
     if options.auth_metrics and not options.control_auth_tokens:
         raise ValueError("--auth-metrics needs --control-auth-token (the token /metrics takes)")
+    if options.max_message_size is not None and options.max_message_size < 1:
+        raise ValueError("--max-message-size must be >= 1")
     for name in ("max_pending_rpcs", "max_concurrent_streams", "http_max_connections"):
         if getattr(options, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -22,8 +22,12 @@ SERVER = FlagGroup(
         "`llama-3-8b` for /models/llama-3-8b, or a hub id as given; requests naming the --model "
         "path are accepted too)",
         "reflection": "serve gRPC server reflection, for grpcurl and gateways",
-        "max_message_size": "max bytes of one request or response message; well above gRPC's "
-        "4 MiB so long prompts as token ids and batched Generate calls fit",
+        "max_message_size": "max bytes of one gRPC message (either way) or HTTP body; past it "
+        "RESOURCE_EXHAUSTED or 413. What a body of this size costs the serving loop before it "
+        "is refused or parsed off it (~2 ms a MB) bounds every stream's stall (default: "
+        "the longest prompt the engine takes plus 1 MiB, at least 8 MiB; that prompt is "
+        "max_model_len token ids at 8 bytes each or --max-prompt-bytes of text, whichever is "
+        "longer: 8 MiB up to a 224k context with --max-prompt-bytes' default)",
         "max_concurrent_rpcs": "hard cap on concurrent RPCs of any kind, enforced by gRPC itself "
         "(RESOURCE_EXHAUSTED without details); a backstop behind the admission limit (default: "
         "no cap)",

@@ -23,7 +23,11 @@ from asyncengine.logging import get_logger
 from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.auth import Tenants
 from asyncengine.server.errors import ServerDrainingError
-from asyncengine.server.options import ServeOptions, default_served_model_name
+from asyncengine.server.options import (
+    ServeOptions,
+    default_served_model_name,
+    message_size_limit,
+)
 
 if TYPE_CHECKING:
     from asyncengine.server.metrics import ServerMetrics
@@ -102,6 +106,13 @@ class ServerState:
         """The name /v1/models, GetModelInfo, responses and the metrics give the model."""
         path = self.engine.config.model_config.model
         return self.options.served_model_name or default_served_model_name(path)
+
+    @functools.cached_property
+    def max_message_size(self) -> int:
+        """The bytes of one gRPC message (either way) or HTTP body: the one value both ports use."""
+        engine = self.engine
+        max_prompt_bytes = engine.config.scheduler_config.max_prompt_bytes
+        return message_size_limit(self.options, engine.max_model_len, max_prompt_bytes)
 
     @property
     def model_names(self) -> frozenset[str]:

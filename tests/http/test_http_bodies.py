@@ -1,18 +1,24 @@
 """Request bodies at the HTTP port (issue 24): a chunked body past --max-message-size is refused
-as it arrives, and text that is not Unicode (a lone surrogate) is a 400 naming its field."""
+as it arrives, the default limit is 8 MiB on both ports, and text that is not Unicode (a lone
+surrogate) is a 400 naming its field."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 from serving_http import ServerThread, http_server
 
+from asyncengine.v1 import generation_pb2 as pb
+
 MAX_MESSAGE_SIZE = 1 << 20
+DEFAULT_MESSAGE_SIZE = 8 << 20  # a short context's: the longest prompt needs far less
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +32,18 @@ def small(model_dir: Any) -> Iterator[ServerThread]:
         yield served
 
 
+@pytest.fixture(scope="module")
+def defaults(model_dir: Any) -> Iterator[ServerThread]:
+    """Scripted tokens and the default message size."""
+    with http_server(model_dir("llama"), "--no-engine-process", fake_runner=True) as served:
+        yield served
+
+
 def _post(server: ServerThread, path: str, body: bytes) -> tuple[int, dict[str, Any]]:
     with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as sock:
         head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
-        sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + body)
+        with contextlib.suppress(OSError):  # refused before the end (413): the answer waits
+            sock.sendall(head.encode() + b"Content-Type: application/json\r\n\r\n" + body)
         return _read_response(sock)
 
 
@@ -139,3 +153,27 @@ def test_many_prompts_or_messages_are_refused_before_they_are_built(small: Serve
     status, reply = _post(small, "/v1/chat/completions", many_messages)
     assert status == 400 and reply["error"]["param"] == "messages", reply
     assert "4096 messages" in reply["error"]["message"]
+
+
+def _text_body(num_bytes: int) -> bytes:
+    """A completion body of exactly `num_bytes`: a text prompt too long for the context."""
+    head, tail = b'{"prompt": "', b'"}'
+    return head + b"x" * (num_bytes - len(head) - len(tail)) + tail
+
+
+def test_the_default_limit_is_8_mib_on_both_ports(defaults: ServerThread) -> None:
+    """Today's default is 64 MiB: a body just over 8 MiB is read and parsed (the largest such
+    body held every stream ~100 ms); now it is refused by its size, naming the limit."""
+    status, reply = _post(defaults, "/v1/completions", _text_body(DEFAULT_MESSAGE_SIZE + 1))
+    assert status == 413, reply
+    assert f"over {DEFAULT_MESSAGE_SIZE} bytes" in reply["error"]["message"]
+    status, reply = _post(defaults, "/v1/completions", _text_body(DEFAULT_MESSAGE_SIZE))
+    assert status == 400 and reply["error"]["param"] == "prompt", reply  # read, then bounded
+    ids = [5] * (DEFAULT_MESSAGE_SIZE - 8)  # one byte each, packed: just over with its framing
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids)).SerializeToString()
+    assert DEFAULT_MESSAGE_SIZE < len(request) < DEFAULT_MESSAGE_SIZE + 16
+    target = f"127.0.0.1:{defaults.grpc_port}"
+    with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as refused:
+        list(channel.unary_stream("/asyncengine.v1.Generation/GenerateStream")(request))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(DEFAULT_MESSAGE_SIZE) in (refused.value.details() or "")

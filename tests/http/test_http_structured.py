@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import urllib.request
 
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serving_http import ServerThread
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -104,3 +106,40 @@ def test_a_bad_constraint_is_a_400_naming_it(
             extra_body=extra,
         )
     assert refused.value.body["param"] == param  # type: ignore[index]
+
+
+def _metrics(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_a_compile_shows_on_metrics_with_its_time_and_the_cache(server: ServerThread) -> None:
+    """Over either core (the engine in its own process reports its compiles and cache across
+    the process boundary): one new regex is one compile of a time > 0, and the cache holds it."""
+    regex_kind = (("kind", "regex"),)
+    before = _metrics(server)
+    regex = f"(probe{server.grpc_port}|x)"  # a spec no other test of the session compiled
+    server.client().completions.create(
+        model=server.model,
+        prompt="hi",
+        max_tokens=8,
+        extra_body={"structured_outputs": {"regex": regex}},
+    )
+    after = _metrics(server)
+
+    def grew(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        key = (f"asyncengine_{name}", labels)
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("grammar_compile_seconds_count", regex_kind) == 1
+    assert 0 < grew("grammar_compile_seconds_sum", regex_kind) < 60
+    assert grew("structured_output_requests_total", regex_kind) == 1
+    assert grew("grammar_compile_busy_seconds_total") > 0
+    assert after[("asyncengine_grammar_cache_entries", ())] >= 1
+    assert after[("asyncengine_grammar_cache_bytes", ())] > 0
+    assert after[("asyncengine_grammar_compile_timeouts_total", ())] == 0

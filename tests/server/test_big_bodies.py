@@ -47,7 +47,10 @@ def served(
     model_dir: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[ServerProcess, str]]:
     log_path = tmp_path_factory.mktemp("server-bodies") / "server.log"
-    server = ServerProcess(model_dir("llama"), log_path, "--http-port", "0")
+    # 64 MiB (the default is 8 MiB): these bodies are read and parsed, as an operator who
+    # raises the limit gets them
+    flags = ("--http-port", "0", "--max-message-size", str(64 << 20))
+    server = ServerProcess(model_dir("llama"), log_path, *flags)
     try:
         server.wait_serving(timeout=300)
         yield server, f"127.0.0.1:{server.logged_port('http_serving')}"

@@ -119,13 +119,14 @@ def test_detokenize_refuses_ids_out_of_the_vocabulary(front: ServerProcess) -> N
     assert bad_field(refused.value) == "sequences[1].ids"
 
 
-def test_an_8_mib_prompt_is_refused_by_its_size_before_tokenizing(
+def test_a_7_mib_prompt_is_refused_by_its_size_before_tokenizing(
     front: ServerProcess,
 ) -> None:
+    """Within the default message size (8 MiB), far over the context's prompt bytes."""
     with front.channel() as channel:
         generation, _ = stubs(channel)
         with pytest.raises(grpc.RpcError) as refused:
-            list(generation.GenerateStream(greedy_request("word " * ((8 << 20) // 5), 4)))
+            list(generation.GenerateStream(greedy_request("word " * ((7 << 20) // 5), 4)))
         with pytest.raises(grpc.RpcError) as tokenize_refused:
             generation.Tokenize(pb.TokenizeRequest(texts=["word " * ((4 << 20) // 5)]))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -33,6 +33,8 @@ HOSTILE_FLAGS = (
     "--max-prompt-bytes", str(1 << 20),
     "--max-num-seqs", "4", "--max-queued-requests", "8", "--heartbeat-interval", "0.5",
     "--drain-grace-period", "1.0",
+    # 64 MiB (the default is 8 MiB): the 60 MB message below is read, as before
+    "--max-message-size", str(64 << 20),
 )  # fmt: skip
 # a canary's worst gap while another caller's call runs; its normal gap is about 1 ms
 MAX_STALL_S = 0.4

@@ -54,7 +54,7 @@ def build_app(state: ServerState) -> FastAPI:
     """The HTTP API of one server, over its engine and state (shared with gRPC)."""
     ctx = HttpContext.create(state)
     app = FastAPI(title="asyncengine", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=state.options.max_message_size)
+    app.add_middleware(BodyLimit, max_bytes=state.max_message_size)
 
     async def on_error(request: Request, exc: Exception) -> Response:
         return error_response(exc)

@@ -79,7 +79,7 @@ class BodyBounds:
             "guided_choice": sp.MAX_CHOICES * (sp.MAX_CHOICE_LEN * 6 + 4),
             "tools": constraint,
         }
-        return cls(state.options.max_message_size, field_bytes, max_prompts, max(text, ids))
+        return cls(state.max_message_size, field_bytes, max_prompts, max(text, ids))
 
 
 async def read_body(request: Request, max_bytes: int) -> bytearray:
