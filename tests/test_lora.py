@@ -7,6 +7,7 @@ greedy, in float32. The engine runs every prompt in one `generate`, adapters mix
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncengine import LLM, LoRARequest, SamplingParams
+from asyncengine import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
 from asyncengine.errors import InvalidRequestError, LoRAInUseError, LoRANotFoundError
 from asyncengine.testing import make_random_lora
 
@@ -243,3 +244,58 @@ def test_bad_adapters_and_calls_are_refused_with_the_field(
 def test_engine_args_bound_the_lora_settings(model_dir: ModelDirFactory) -> None:
     with pytest.raises(ValueError, match="max_cpu_loras"):
         make_llm(model_dir("llama"), max_loras=4, max_cpu_loras=2)
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-process"])
+def test_the_async_engine_adds_runs_and_removes_adapters(
+    engine_process: bool,
+    model_dir: ModelDirFactory,
+    adapters: Callable[[Path], list[LoRARequest]],
+) -> None:
+    path = model_dir("llama")
+    loras = adapters(path)
+    args = EngineArgs(
+        model=str(path), device="cpu", dtype="float32", enable_lora=True, max_loras=2,
+        max_lora_rank=16, block_size=8, num_gpu_blocks_override=64,
+    )  # fmt: skip
+    options = {"torch_threads": 1} if engine_process else {}
+    engine = AsyncLLMEngine.from_engine_args(args, engine_process=engine_process, **options)
+    prompts, per_prompt = mixed_requests(loras)
+
+    async def tokens(i: int) -> list[int]:
+        params = GREEDY
+        async for out in engine.generate(prompts[i], params, f"r{i}", lora_request=per_prompt[i]):
+            final = out
+        return final.outputs[0].token_ids
+
+    async def main() -> None:
+        assert await engine.add_lora(loras[0]) and not await engine.add_lora(loras[0])
+        assert await engine.add_lora(loras[1])
+        # the third adapter is registered by its first request
+        got = await asyncio.gather(*(tokens(i) for i in range(len(prompts))))
+        for i, lora in enumerate(per_prompt):
+            assert got[i] == peft_greedy(path, lora, prompts[i]), f"prompt {i} ({lora})"
+        assert await engine.list_loras() == {1, 2, 3}
+        assert set(engine.lora_requests()) == {"adapter-1", "adapter-2", "adapter-3"}
+
+        stream = await engine.add_request("long", [0, 5, 6], GREEDY, lora_request=loras[0])
+        with pytest.raises(LoRAInUseError):
+            await engine.remove_lora(1)
+        while not (await stream.get()).finished:
+            pass
+        assert await engine.remove_lora(1)
+        assert await engine.list_loras() == {2, 3} and "adapter-1" not in engine.lora_requests()
+        with pytest.raises(LoRANotFoundError):
+            await engine.remove_lora(1)
+        with pytest.raises(InvalidRequestError) as caught:
+            await engine.add_lora(LoRARequest("gone", 7, str(path / "no-such-adapter")))
+        assert caught.value.field == "lora_request.lora_path"
+        stats = engine.get_stats()
+        assert stats.num_lora_loads >= 3 and stats.num_lora_evictions >= 1
+        assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0)
+        assert stats.num_free_gpu_blocks == stats.num_gpu_blocks and engine.num_requests == 0
+
+    try:
+        asyncio.run(main())
+    finally:
+        asyncio.run(engine.shutdown())

@@ -7,6 +7,7 @@ import gc
 import math
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -243,6 +244,14 @@ class LLMEngine:
                 "lora_request", "LoRA adapters are not enabled (start with enable_lora)"
             )
         return self.loras
+
+    def read_lora(self, lora_request: LoRARequest) -> Future[Any]:
+        """Read and check an adapter in a thread of its own (the core clients pass what it
+        gives to `add_lora`, so the step never reads a disk)."""
+        return self._lora_registry().read_in_background(lora_request)
+
+    def is_lora_registered(self, lora_request: LoRARequest) -> bool:
+        return self.loras is not None and self.loras.is_registered(lora_request)
 
     def add_lora(self, lora_request: LoRARequest, weights: Any = None) -> bool:
         """Register an adapter, reading it from disk unless `weights` (its `LoRAWeights`)

@@ -49,6 +49,15 @@ class LoRARegistry:
         self.num_disk_loads += 1
         return weights
 
+    def read_in_background(self, lora_request: LoRARequest) -> Future[LoRAWeights]:
+        """`read` in the loader thread."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-lora")
+        return self._loader.submit(self.read, lora_request)
+
+    def is_registered(self, lora_request: LoRARequest) -> bool:
+        return self.requests.get(lora_request.lora_int_id) == lora_request
+
     def add(self, lora_request: LoRARequest, weights: LoRAWeights | None = None) -> bool:
         """Register an adapter (read now unless `weights` are given); False if it already is.
 
@@ -95,10 +104,7 @@ class LoRARegistry:
             return True
         loading = self._loading.get(lora_int_id)
         if loading is None:
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(1, thread_name_prefix="asyncengine-lora")
-            request = self.requests[lora_int_id]
-            self._loading[lora_int_id] = self._loader.submit(self.read, request)
+            self._loading[lora_int_id] = self.read_in_background(self.requests[lora_int_id])
             return False
         if not loading.done():
             return False
