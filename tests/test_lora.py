@@ -299,3 +299,18 @@ def test_the_async_engine_adds_runs_and_removes_adapters(
         asyncio.run(main())
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_the_lora_flags_set_the_engine_args() -> None:
+    import argparse
+
+    from asyncengine.server.engine_flags import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", "32", "--max-cpu-loras", "8"]
+    args = engine_args_from(parser.parse_args(flags))
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (
+        True, 4, 32, 8,
+    )  # fmt: skip
+    assert not engine_args_from(parser.parse_args([])).enable_lora
