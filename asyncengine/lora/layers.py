@@ -82,6 +82,8 @@ class LoRAStacks:
         self.max_loras, self.max_rank, self.tp = max_loras, max_rank, tp
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        # each slot's scaling per module (0 where it is not targeted): the kernels read it
+        self.scalings: dict[tuple[int, str], torch.Tensor] = {}
         for layer in range(self.num_layers):
             for target in (t for group in self.targets.values() for t in group):
                 key = (layer, target.module)
@@ -89,6 +91,7 @@ class LoRAStacks:
                 self.a[key] = torch.zeros(shape_a, dtype=dtype, device=device)
                 shape_b = (max_loras, target.num_out, max_rank)
                 self.b[key] = torch.zeros(shape_b, dtype=dtype, device=device)
+                self.scalings[key] = torch.zeros(max_loras, dtype=torch.float32, device=device)
         # per slot: (layer, module) -> (rank, scaling) of what the slot's adapter targets
         self.slot_modules: list[dict[tuple[int, str], tuple[int, float]]] = [
             {} for _ in range(max_loras)
@@ -99,6 +102,7 @@ class LoRAStacks:
         for key in self.slot_modules[slot]:
             self.a[key][slot].zero_()
             self.b[key][slot].zero_()
+            self.scalings[key][slot] = 0.0
         targets = {t.module: t for group in self.targets.values() for t in group}
         modules = {}
         for key, lora in weights.modules.items():
@@ -106,22 +110,50 @@ class LoRAStacks:
             a, b = target.a_cols.read(lora.a), target.b_rows.read(lora.b)
             self.a[key][slot, : lora.rank].copy_(a)
             self.b[key][slot, :, : lora.rank].copy_(b)
+            self.scalings[key][slot] = lora.scaling
             modules[key] = (lora.rank, lora.scaling)
         self.slot_modules[slot] = modules
 
 
 @dataclass
 class LoRABatch:
-    """Which adapter slot each row of one forward runs with, as runs of rows."""
+    """Which adapter slot each row of one forward runs with: as runs of rows (grouped
+    matmuls), and with `row_slots` (a tensor, -1 for the base model) for the Triton kernels."""
 
     stacks: LoRAStacks
     segments: list[tuple[int, int, int]]  # (first row, end row, slot); base rows in none
+    row_slots: torch.Tensor | None = None
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
         """out[rows] += each segment's delta of `projection` (in place)."""
-        stacks = self.stacks
-        is_summed = stacks.tp is not None and projection in _ROW_PARALLEL
+        is_summed = self.stacks.tp is not None and projection in _ROW_PARALLEL
         delta = torch.zeros_like(out) if is_summed else out
+        if self.row_slots is None:
+            self._add_by_segment(delta, x, layer, projection)
+        else:
+            self._add_by_kernel(delta, x, layer, projection)
+        if is_summed:
+            assert self.stacks.tp is not None
+            out += self.stacks.tp.all_reduce(delta)
+
+    def _add_by_kernel(
+        self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str
+    ) -> None:
+        from asyncengine.kernels import lora_expand, lora_shrink
+
+        stacks, row_slots = self.stacks, self.row_slots
+        assert row_slots is not None
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        for target in stacks.targets[projection]:
+            key = (layer, target.module)
+            shrunk = lora_shrink(x, stacks.a[key], row_slots)
+            columns = out[:, target.offset : target.offset + target.num_out]
+            lora_expand(columns, shrunk, stacks.b[key], stacks.scalings[key], row_slots)
+
+    def _add_by_segment(
+        self, delta: torch.Tensor, x: torch.Tensor, layer: int, projection: str
+    ) -> None:
+        stacks = self.stacks
         for start, end, slot in self.segments:
             modules = stacks.slot_modules[slot]
             rows = x[start:end]
@@ -134,9 +166,6 @@ class LoRABatch:
                 delta[start:end, target.offset : target.offset + target.num_out].addmm_(
                     shrunk, stacks.b[key][slot, :, :rank].T, alpha=scaling
                 )
-        if is_summed:
-            assert stacks.tp is not None
-            out += stacks.tp.all_reduce(delta)
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:

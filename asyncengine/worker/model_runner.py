@@ -407,4 +407,9 @@ class ModelRunner:
         row_slots = []
         for req in reqs:
             row_slots += [slots.get(req.lora_int_id, -1)] * num_new[req.request_id]
-        return LoRABatch(self.lora_stacks, lora_segments(row_slots))
+        # the Triton kernels where attention runs them (CUDA), else grouped matmuls
+        use_kernels = self.config.device_config.attention_backend == "triton"
+        slots_tensor = None
+        if use_kernels:
+            slots_tensor = torch.tensor(row_slots, dtype=torch.int32, device=self.device)
+        return LoRABatch(self.lora_stacks, lora_segments(row_slots), slots_tensor)
