@@ -18,6 +18,7 @@ from asyncengine.errors import (
     RequestFailedError,
 )
 from asyncengine.inputs import PromptType, TextPrompt, TokensPrompt
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ __all__ = [
     "EngineStats",
     "InvalidRequestError",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "PromptType",
     "RequestFailedError",

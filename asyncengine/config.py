@@ -102,6 +102,15 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA: adapters resident on the device at once, cached in host memory, max rank."""
+
+    max_loras: int = 1  # device slots: distinct adapters one step may run
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1  # loaded adapters kept in host memory (least recently used go)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, derived once from `EngineArgs` and never mutated."""
 
@@ -111,6 +120,7 @@ class EngineConfig:
     device_config: DeviceConfig
     parallel_config: ParallelConfig = ParallelConfig()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    lora_config: LoRAConfig | None = None  # None: LoRA adapters are off
 
 
 def _default_model() -> str:
@@ -178,6 +188,11 @@ class EngineArgs:
     grammar_compile_threads: int | None = None
     max_grammar_compile_s: float = 60.0
     max_grammar_cache_bytes: int = 256 << 20
+    # multi-LoRA (docs/operations.md): adapters per step, their max rank, host-cached ones
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -272,6 +287,7 @@ class EngineArgs:
             self.num_cpu_blocks_override,
         )
 
+        self._validate_lora()
         if self.max_num_batched_tokens is not None:
             _require(
                 self.max_num_batched_tokens >= self.max_num_seqs,
@@ -279,6 +295,25 @@ class EngineArgs:
                 f">= max_num_seqs ({self.max_num_seqs}) so every running request gets a token",
                 self.max_num_batched_tokens,
             )
+
+    def _validate_lora(self) -> None:
+        _require(self.max_loras >= 1, "max_loras", ">= 1", self.max_loras)
+        _require(self.max_lora_rank >= 1, "max_lora_rank", ">= 1", self.max_lora_rank)
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            f">= max_loras ({self.max_loras}) or None",
+            self.max_cpu_loras,
+        )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras or self.max_loras,
+        )
 
     def create_engine_config(self) -> EngineConfig:
         """Validate every field and derive the frozen config (loads the model's config.json)."""
@@ -341,6 +376,7 @@ class EngineArgs:
                 max_compile_s=self.max_grammar_compile_s,
                 max_cache_bytes=self.max_grammar_cache_bytes,
             ),
+            lora_config=self._lora_config(),
         )
 
 

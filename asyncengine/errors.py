@@ -60,3 +60,23 @@ class EngineProcessLostError(RuntimeError):
 class KVCacheSizingError(RuntimeError):
     """At start-up: the memory budget cannot hold the KV cache the settings need; the message
     says which setting to change (the CLI prints it as one line)."""
+
+
+class LoRANotFoundError(LookupError):
+    """A request or a call names an adapter (by name or id) that is not registered."""
+
+    def __init__(self, name_or_id: str | int) -> None:
+        super().__init__(f"LoRA adapter {name_or_id!r} is not loaded")
+        self.name_or_id = name_or_id
+
+
+class LoRAInUseError(RuntimeError):
+    """An adapter cannot be removed while requests run with it: retry once they finish."""
+
+    def __init__(self, lora_int_id: int, num_requests: int) -> None:
+        super().__init__(
+            f"LoRA adapter {lora_int_id} is in use by {num_requests} request(s); "
+            "remove it once they finish"
+        )
+        self.lora_int_id = lora_int_id
+        self.num_requests = num_requests

@@ -372,6 +372,47 @@ def _make_config(family: str, vocab_size: int, overrides: dict[str, Any]) -> Pre
 
 
 @torch.no_grad()
+def make_random_lora(
+    out_dir: str | Path,
+    model_dir: str | Path,
+    *,
+    seed: int = 0,
+    r: int = 8,
+    lora_alpha: int = 16,
+    target_modules: Iterable[str] = ("q_proj", "v_proj"),
+    use_rslora: bool = False,
+    **config_overrides: Any,
+) -> Path:
+    """Write a PEFT LoRA adapter with random A and B for the model at `model_dir`.
+
+    PEFT starts B at zero (the adapter is then a no-op); here both are drawn so that each
+    adapter visibly changes greedy outputs. `config_overrides` go to `peft.LoraConfig`.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=lora_alpha,
+        target_modules=list(target_modules),
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        **config_overrides,
+    )
+    model = get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            # (out, in): a delta about as large as the base layer's output, over all ranks
+            fan_in = param.shape[1]
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(noise * (0.5 / math.sqrt(fan_in)))
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+@torch.no_grad()
 def _init_weights(model: PreTrainedModel) -> None:
     """Re-draw every weight so that greedy outputs are varied, context-dependent and unambiguous.
 

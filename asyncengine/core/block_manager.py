@@ -57,6 +57,7 @@ class Sequence(Protocol):
     request_id: str
     token_ids: list[int]
     cache_salt: str | None
+    lora_int_id: int  # the LoRA adapter (0: the base model): a part of every block's key
     num_computed_tokens: int  # K/V up to here is in the cache; writes start here
 
     @property
@@ -139,10 +140,12 @@ class BlockSpaceManager:
     def _block_key(
         self, seq: Sequence, index: int, parent: int | None
     ) -> tuple[int, tuple[int, ...]]:
-        """(content hash, token ids) of full block `index`; the salt seeds the chain. Ints and
-        tuples of ints hash alike in every process, so replicas name a prefix alike."""
+        """(content hash, token ids) of full block `index`; the salt and the adapter seed the
+        chain. Ints and tuples of ints hash alike in every process, so replicas name a prefix
+        alike."""
         tokens = tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
-        return hash((parent if index else chain_root(seq.cache_salt), tokens)), tokens
+        root = chain_root(seq.cache_salt, seq.lora_int_id)
+        return hash((parent if index else root, tokens)), tokens
 
     def _match_prefix(self, seq: Sequence, use_cache: bool = True) -> list[int]:
         """Cached blocks holding `seq`'s longest prefix of full blocks (one token always left)."""

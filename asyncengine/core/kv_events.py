@@ -33,10 +33,14 @@ CLEARED = KvEvent(KvEventKind.CLEARED)
 
 
 @functools.lru_cache(maxsize=4096)
-def chain_root(cache_salt: str | None) -> int:
+def chain_root(cache_salt: str | None, lora_int_id: int = 0) -> int:
     """The parent hash of a chain's first block: the same in every process and replica, so
-    two replicas name the same prefix alike (Python's own str hash differs per process)."""
+    two replicas name the same prefix alike (Python's own str hash differs per process).
+
+    The LoRA adapter seeds it too: K/V computed under one adapter is never another's."""
     seed = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
+    if lora_int_id:
+        seed += b"|lora:%d" % lora_int_id
     return int.from_bytes(hashlib.blake2b(seed, digest_size=8).digest(), "little", signed=True)
 
 

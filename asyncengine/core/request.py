@@ -100,6 +100,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_int_id: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -108,6 +109,8 @@ class Request:
         self.priority = priority
         # requests with different salts never share prefix-cache blocks (per-tenant isolation)
         self.cache_salt = cache_salt
+        # the LoRA adapter it runs with (0: the base model); it keys its cached blocks too
+        self.lora_int_id = lora_int_id
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         # parallel sampling (n > 1): samples 1..n-1 are forked from this request once all but
         # the last prompt token is computed; each then computes that token itself
@@ -158,6 +161,7 @@ class Request:
             self.priority,
             self.arrival_time,
             self.cache_salt,
+            self.lora_int_id,
         )
         child.sort_key = self.sort_key
         child.group_id = self.group_id

@@ -7,6 +7,7 @@ import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from asyncengine.config import SchedulerConfig
 from asyncengine.core.block_manager import AllocStatus, BlockSpaceManager
@@ -29,6 +30,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # finished: can never fit
+    # LoRA: the device slot of each adapter the batch uses, and the adapters (host weights,
+    # by slot) to copy into their slots before the forward; set by the engine after planning
+    lora_slots: dict[int, int] = field(default_factory=dict)
+    lora_loads: dict[int, Any] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -42,6 +47,16 @@ class SchedulerOutput:
         self.scheduled.append(req)
         self.num_scheduled_tokens[req.request_id] = num_tokens
         self.block_tables[req.request_id] = block_table
+
+
+class LoRAAdmission(Protocol):
+    """What the scheduler asks of the engine's adapters before a request may run."""
+
+    max_loras: int  # distinct adapters the running requests may use at once
+
+    def is_ready(self, lora_int_id: int) -> bool:
+        """Whether the adapter is in host memory (if not, its load starts, off the step)."""
+        ...
 
 
 class _Queue(list[Request]):
@@ -59,9 +74,16 @@ class Scheduler:
     admitted in a step that preempted.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockSpaceManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockSpaceManager,
+        loras: LoRAAdmission | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        # with LoRA: the running requests use at most `max_loras` adapters, all loaded
+        self.loras = loras
         self.waiting = _Queue()
         self.running = _Queue()
         self.swapped = _Queue()
@@ -165,9 +187,10 @@ class Scheduler:
                     out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
+        active = self.running_loras()
         while self.swapped:
             group = _head_group(self.swapped)
-            if not self._has_room(budget, group):
+            if not self._has_room(budget, group) or not self._lora_fits(group[0], active):
                 break
             if self.block_manager.can_swap_in(*group) is not AllocStatus.OK:
                 if self.running:
@@ -178,6 +201,7 @@ class Scheduler:
                     self._recompute(req)
                 continue
             out.blocks_to_swap_in += self.block_manager.swap_in(*group)
+            active.add(group[0].lora_int_id)
             for req in group:
                 self.swapped.remove(req)
                 out.blocks_to_copy += self.block_manager.append_slot(req)
@@ -188,18 +212,24 @@ class Scheduler:
                     out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
-        while self.waiting and budget.has_room:
-            req = self.waiting[0]
+        active = self.running_loras()
+        num_skipped = 0  # requests whose adapter has no slot (or is loading) wait in place
+        while len(self.waiting) > num_skipped and budget.has_room:
+            req = self.waiting[num_skipped]
+            if not self._lora_fits(req, active):
+                num_skipped += 1
+                continue
             status = self._can_admit(req)
             if status is AllocStatus.NEVER:
-                self.waiting.pop(0)
+                self.waiting.pop(num_skipped)
                 req.error = self._why_never(req)
                 self.finish_request(req, FinishReason.REJECTED)
                 out.rejected.append(req)
                 continue
             if status is AllocStatus.LATER or not self._has_room(budget, [req]):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(num_skipped)
+            active.add(req.lora_int_id)
             num_cached = self.block_manager.allocate(req, _uses_cache(req)).num_cached_tokens
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
@@ -213,6 +243,19 @@ class Scheduler:
                 continue
             num_tokens = budget.take(req, reserve=0)
             out.add(req, num_tokens, self.block_manager.get_block_table(req))
+
+    def running_loras(self) -> set[int]:
+        """The adapters the running requests use (0, the base model, among them if any)."""
+        return {req.lora_int_id for req in self.running}
+
+    def _lora_fits(self, req: Request, active: set[int]) -> bool:
+        """Whether `req` may join the running requests, which use the adapters `active`."""
+        lora_int_id = req.lora_int_id
+        if not lora_int_id or lora_int_id in active:
+            return True
+        assert self.loras is not None, "a request with an adapter, and LoRA is off"
+        num_active = len(active) - (0 in active)
+        return num_active < self.loras.max_loras and self.loras.is_ready(lora_int_id)
 
     def _has_room(self, budget: _Budget, group: list[Request]) -> bool:
         # a request's forked samples will need running slots of their own

@@ -29,6 +29,7 @@ from asyncengine.errors import (
 )
 from asyncengine.inputs import PromptType, parse_prompt
 from asyncengine.logging import get_logger
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -89,6 +90,8 @@ class AsyncLLMEngine:
         self._dead: EngineDeadError | None = None
         self._throughput = ThroughputMeter()
         self._kv_events = KvEventHub() if self.config.cache_config.enable_kv_events else None
+        # the adapters registered through this engine, by name (every add and remove is here)
+        self._loras: dict[str, LoRARequest] = {}
         # a filtered debug call still costs ~7 us through the logger's proxy: once per step
         self._is_step_logged = logger.bind().is_enabled_for(logging.DEBUG)
 
@@ -224,6 +227,7 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         tenant: str | None = None,
         strict_max_tokens: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate, tokenize (off the loop) and queue a request; returns its output stream.
 
@@ -232,13 +236,16 @@ class AsyncLLMEngine:
         Bad input raises `InvalidRequestError` naming the field before anything is queued; an
         id in flight raises `DuplicateRequestError`. `tenant` keeps the caller's prefix cache
         apart from other tenants'; `strict_max_tokens` refuses a max_tokens past the context
-        instead of capping it (`RequestValidator.check_tokens`). A caller that stops reading
-        before the final output must `abort` the request.
+        instead of capping it (`RequestValidator.check_tokens`). `lora_request` runs it with
+        that adapter, registered first (`add_lora`) if it is not yet. A caller that stops
+        reading before the final output must `abort` the request.
         """
         self.check_health()
         self._start()
         if request_id in self._streams:
             raise DuplicateRequestError(request_id)
+        if lora_request is not None and self._loras.get(lora_request.lora_name) != lora_request:
+            await self.add_lora(lora_request)
         parsed = parse_prompt(prompt, cache_salt)
         text_or_ids, cache_salt = parsed.prompt, parsed.cache_salt
         validator = self._front.validator
@@ -276,7 +283,7 @@ class AsyncLLMEngine:
             core_id = self._new_core_id(request_id)
             stream.core_id, self._core_streams[core_id] = core_id, stream
             queued = await self.core.add_request(
-                replace(validated, request_id=core_id, prompt=None)
+                replace(validated, request_id=core_id, prompt=None, lora_request=lora_request)
             )
         except BaseException as exc:
             if self._streams.get(request_id) is stream:
@@ -308,6 +315,7 @@ class AsyncLLMEngine:
         request_id: str,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs, the last with `finished=True`: cumulative, or only
         what is new with `sampling_params.output_kind=DELTA`, or the final one alone.
@@ -315,7 +323,9 @@ class AsyncLLMEngine:
         Bad input raises `InvalidRequestError` before anything is queued. Leaving the loop
         early (break, cancellation, `aclose()`) aborts the request and frees its blocks.
         """
-        stream = await self.add_request(request_id, prompt, sampling_params, priority, cache_salt)
+        stream = await self.add_request(
+            request_id, prompt, sampling_params, priority, cache_salt, lora_request=lora_request
+        )
         try:
             while True:
                 out = await stream.get()
@@ -370,6 +380,37 @@ class AsyncLLMEngine:
                     self._end(stream, _aborted_output(stream))
 
         core_aborted.add_done_callback(release)
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (read from disk off the step loop); False if it already is.
+        A bad adapter (or LoRA not enabled) raises `InvalidRequestError` naming
+        `lora_request...`."""
+        self.check_health()
+        self._start()
+        is_added = await self.core.add_lora(lora_request)
+        self._loras[lora_request.lora_name] = lora_request
+        return is_added
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; `LoRANotFoundError` if none has the id, `LoRAInUseError` while
+        requests use it (they are never broken: retry once they finish)."""
+        self.check_health()
+        self._start()
+        is_removed = await self.core.remove_lora(lora_int_id)
+        self._loras = {n: r for n, r in self._loras.items() if r.lora_int_id != lora_int_id}
+        return is_removed
+
+    async def list_loras(self) -> set[int]:
+        """The ids of the registered adapters."""
+        self.check_health()
+        self._start()
+        return await self.core.list_loras()
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """The registered adapters by name (what /v1/models lists)."""
+        return dict(self._loras)
 
     async def tokenize(self, text: str, **kwargs: Any) -> Any:
         """The tokenizer's encoding of `text` (transformers' `__call__`), off the event loop.

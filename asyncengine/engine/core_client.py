@@ -26,6 +26,7 @@ from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.engine.messages import StepStats
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.logging import get_logger
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 
 logger = get_logger(__name__)
@@ -83,6 +84,15 @@ class EngineCoreClient(Protocol):
     def abort(self, request_ids: list[str]) -> asyncio.Future[list[str]]:
         """Abort by core id, at once; each one's final output reaches the sink. The future
         gives the ids the core aborted (not those that had finished first)."""
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter, read off the step; False if it already is. A bad adapter
+        raises `InvalidRequestError` naming `lora_request...`."""
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: `LoRANotFoundError`, `LoRAInUseError` if it cannot."""
+
+    async def list_loras(self) -> set[int]: ...
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix if no request holds a block (its CLEARED event reaches
@@ -166,6 +176,18 @@ class InprocClient:
         done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         done.set_result([out.request_id for out in finals])
         return done
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        if self.engine.is_lora_registered(lora_request):
+            return False
+        weights = await asyncio.wrap_future(self.engine.read_lora(lora_request))
+        return self.engine.add_lora(lora_request, weights)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     async def reset_prefix_cache(self) -> bool:
         # between steps (this runs on the loop), and only when no request holds a block

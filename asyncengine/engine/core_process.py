@@ -37,11 +37,15 @@ from asyncengine.engine.messages import (
     Aborted,
     AbortRequests,
     Added,
+    AddLoRA,
     AddRequest,
     Failed,
     Heartbeat,
+    ListLoRAs,
+    LoRAAnswer,
     PrefixCacheReset,
     Ready,
+    RemoveLoRA,
     ResetPrefixCache,
     Shutdown,
     StepOutputs,
@@ -49,7 +53,7 @@ from asyncengine.engine.messages import (
     request_id_of_malformed,
 )
 from asyncengine.engine.validator import ValidatedRequest
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import InvalidRequestError, LoRAInUseError, LoRANotFoundError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
 
@@ -88,6 +92,15 @@ class _Compiled:
 
 
 @dataclass(frozen=True)
+class _LoRARead:
+    """An adapter read (or refused) off the loop, for the loop to register."""
+
+    message: AddLoRA
+    weights: Any
+    error: Exception | None
+
+
+@dataclass
 class _Malformed:
     """An input message that did not decode; `request_id` when it named one."""
 
@@ -286,12 +299,47 @@ class _Core:
             if kv_events := self.engine.take_kv_events():
                 self._send_outputs([], None, None, kv_events)
             self.send(PrefixCacheReset(message.ticket, is_reset))
+        elif isinstance(message, AddLoRA | RemoveLoRA | ListLoRAs | _LoRARead):
+            self._lora_call(message)
         elif isinstance(message, Shutdown):
             self.is_stopping = True
         elif isinstance(message, _Malformed):
             logger.error("malformed_message", request_id=message.request_id, cause=message.reason)
             if message.request_id is not None:
                 self.send(Added(message.request_id, error="the request did not decode"))
+
+    def _lora_call(self, message: AddLoRA | RemoveLoRA | ListLoRAs | _LoRARead) -> None:
+        """LoRA calls between steps; an adapter is read in the loader thread, then added."""
+        engine = self.engine
+        try:
+            if isinstance(message, AddLoRA):
+                if engine.is_lora_registered(message.lora_request):
+                    self.send(LoRAAnswer(message.ticket, False, sorted(engine.list_loras())))
+                    return
+                reading = engine.read_lora(message.lora_request)
+                reading.add_done_callback(functools.partial(self._on_lora_read, message))
+                return
+            if isinstance(message, _LoRARead):
+                if message.error is not None:
+                    raise message.error
+                ticket = message.message.ticket
+                result = engine.add_lora(message.message.lora_request, message.weights)
+            elif isinstance(message, RemoveLoRA):
+                ticket, result = message.ticket, engine.remove_lora(message.lora_int_id)
+            else:
+                ticket, result = message.ticket, True
+        except (InvalidRequestError, LoRANotFoundError, LoRAInUseError) as exc:
+            ticket = message.message.ticket if isinstance(message, _LoRARead) else message.ticket
+            self.send(LoRAAnswer.failed(ticket, exc))
+            return
+        self.send(LoRAAnswer(ticket, result, sorted(engine.list_loras())))
+
+    def _on_lora_read(self, message: AddLoRA, reading: Any) -> None:
+        """In the loader thread: hand the adapter (or why it was refused) to the loop."""
+        exc = reading.exception()
+        if exc is not None and not isinstance(exc, InvalidRequestError):
+            exc = InvalidRequestError("lora_request.lora_path", f"cannot be read: {exc!r}")
+        self.commands.put(_LoRARead(message, None if exc else reading.result(), exc))
 
     def _abort(self, message: AbortRequests) -> None:
         finals = self.engine.abort_request(message.request_ids)

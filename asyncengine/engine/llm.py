@@ -12,6 +12,7 @@ from asyncengine.config import EngineArgs
 from asyncengine.engine.llm_engine import EngineStats, LLMEngine
 from asyncengine.errors import InvalidRequestError
 from asyncengine.inputs import ParsedPrompt, PromptType, TokensPrompt, parse_prompt
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         prompt_token_ids: list[int] | Sequence[list[int]] | None = None,
     ) -> list[RequestOutput]:
@@ -52,6 +54,10 @@ class LLM:
         constraint that does not compile (as in vLLM); a prompt that cannot run (too long, bad
         token ids) gets an output with `error` set and finish_reason "error", the others are
         unaffected.
+
+        `lora_request` runs every prompt with one LoRA adapter, or each with its own (a list,
+        one per prompt; None: the base model). Adapters not registered yet are read first;
+        a bad one raises `InvalidRequestError` before anything runs.
         """
         parsed = _parse_prompts(prompts, prompt_token_ids)
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -63,17 +69,21 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(parsed)} prompts"
                 )
+        loras = _per_prompt(lora_request, len(parsed))
+        for lora in loras:
+            if lora is not None:
+                self.llm_engine.add_lora(lora)
         constraints = {id(p.structured_outputs): p for p in params_list if p.structured_outputs}
         for p in constraints.values():  # compiled once here: the requests find it cached
             self.llm_engine.validator.check_structured_outputs(p)
         results: dict[str, RequestOutput] = {}
         ids = []
-        for prompt, p in zip(parsed, params_list):
+        for prompt, p, lora in zip(parsed, params_list, loras):
             request_id = str(next(self._counter))
             ids.append(request_id)
             try:
                 self.llm_engine.add_request(
-                    request_id, prompt.prompt, p, cache_salt=prompt.cache_salt
+                    request_id, prompt.prompt, p, cache_salt=prompt.cache_salt, lora_request=lora
                 )
             except InvalidRequestError as exc:
                 results[request_id] = _failed(request_id, prompt.prompt, str(exc))
@@ -101,6 +111,16 @@ class LLM:
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (read from disk now); False if it already is."""
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm_engine.list_loras()
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); they also stop at exit."""
@@ -155,6 +175,17 @@ class LLM:
         for output, text in zip(outputs, texts):
             output.prompt = text
         return outputs
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request has {len(loras)} entries for {num_prompts} prompts")
+    return loras
 
 
 def _as_list(prompts: Any) -> list[Any]:

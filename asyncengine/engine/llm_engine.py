@@ -7,7 +7,8 @@ import gc
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from asyncengine.config import EngineArgs, EngineConfig
@@ -20,8 +21,15 @@ from asyncengine.engine.grammar_compiles import GrammarCompiles
 from asyncengine.engine.output_processor import RequestState, TokenTexts
 from asyncengine.engine.structured_output import CompiledConstraint, StructuredOutputManager
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
-from asyncengine.errors import DuplicateRequestError
+from asyncengine.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    LoRAInUseError,
+    LoRANotFoundError,
+)
 from asyncengine.logging import get_logger
+from asyncengine.lora.registry import LoRARegistry
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
@@ -68,6 +76,14 @@ class EngineStats:
     num_grammar_compiles_dropped: int = 0  # the caller left before it started
     num_grammar_compile_timeouts: int = 0  # the caller was told it ran past the limit
     num_waiting_prompt_tokens: int = 0  # tokens of waiting requests still to compute
+    # LoRA: adapters in device slots and in host memory, slot loads and evictions so far,
+    # and the running and waiting requests of each adapter, by name
+    num_active_loras: int = 0
+    num_cached_loras: int = 0
+    num_lora_loads: int = 0
+    num_lora_evictions: int = 0
+    lora_running: dict[str, int] = field(default_factory=dict)
+    lora_waiting: dict[str, int] = field(default_factory=dict)
 
 
 def _no_logprobs(request_id: str) -> None:
@@ -119,7 +135,10 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
             enable_kv_events=cache.enable_kv_events,
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.loras = None if config.lora_config is None else LoRARegistry(
+            config.lora_config, model_config.hf_config, _torch_dtype(model_config.dtype)
+        )  # fmt: skip
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, self.loras)
         grammar_config = config.structured_outputs_config
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids, grammar_config.max_cache_bytes
@@ -161,17 +180,21 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate, tokenize and queue a request; bad input raises `InvalidRequestError`
-        naming the field. `request_id` is the caller's: a key for abort and outputs only."""
+        naming the field. `request_id` is the caller's: a key for abort and outputs only.
+        An adapter (`lora_request`) not registered yet is registered first (read from disk)."""
         if request_id in self._states:
             raise DuplicateRequestError(request_id)
         self.validator.check_inputs(request_id, prompt, sampling_params, cache_salt)
+        if lora_request is not None:
+            self.add_lora(lora_request)
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         validated = self.validator.check_tokens(
             request_id, prompt, token_ids, sampling_params, priority, cache_salt
         )
-        self.add_validated_request(validated, arrival_time)
+        self.add_validated_request(replace(validated, lora_request=lora_request), arrival_time)
 
     def add_validated_request(
         self,
@@ -183,6 +206,7 @@ class LLMEngine:
         compiles its structured-outputs constraint there: `constraint`; compiled here if not)."""
         if validated.request_id in self._states:
             raise DuplicateRequestError(validated.request_id)
+        lora_int_id = self._registered_lora_id(validated.lora_request)
         if constraint is None:
             constraint = self.validator.check_structured_outputs(validated.sampling_params)
         req = Request(
@@ -193,6 +217,7 @@ class LLMEngine:
             validated.priority,
             arrival_time,
             validated.cache_salt,
+            lora_int_id,
         )
         if constraint is not None:
             self.structured.add(req.group_id, constraint)
@@ -202,6 +227,59 @@ class LLMEngine:
         )
         self._states[validated.request_id] = state
         self._groups[req.group_id] = state
+
+    def _registered_lora_id(self, lora_request: LoRARequest | None) -> int:
+        if lora_request is None:
+            return 0
+        registered = self._lora_registry().requests.get(lora_request.lora_int_id)
+        if registered != lora_request:
+            raise LoRANotFoundError(lora_request.lora_name)
+        return lora_request.lora_int_id
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.loras is None:
+            raise InvalidRequestError(
+                "lora_request", "LoRA adapters are not enabled (start with enable_lora)"
+            )
+        return self.loras
+
+    def read_lora(self, lora_request: LoRARequest) -> Future[Any]:
+        """Read and check an adapter in a thread of its own (the core clients pass what it
+        gives to `add_lora`, so the step never reads a disk)."""
+        return self._lora_registry().read_in_background(lora_request)
+
+    def is_lora_registered(self, lora_request: LoRARequest) -> bool:
+        return self.loras is not None and self.loras.is_registered(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest, weights: Any = None) -> bool:
+        """Register an adapter, reading it from disk unless `weights` (its `LoRAWeights`)
+        are given; False if it is registered already. A bad adapter raises
+        `InvalidRequestError` naming `lora_request...`."""
+        return self._lora_registry().add(lora_request, weights)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; `LoRAInUseError` while requests use it."""
+        registry = self._lora_registry()
+        if lora_int_id not in registry.requests:
+            raise LoRANotFoundError(lora_int_id)
+        num_using = sum(
+            1 for req in self.scheduler.requests.values() if req.lora_int_id == lora_int_id
+        )
+        if num_using:
+            raise LoRAInUseError(lora_int_id, num_using)
+        registry.remove(lora_int_id)
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set() if self.loras is None else self.loras.ids()
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        """The registered adapters by name."""
+        if self.loras is None:
+            return {}
+        return {req.lora_name: req for req in self.loras.requests.values()}
 
     def tokenize(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)
@@ -266,6 +344,8 @@ class LLMEngine:
         """Stop the model runner's processes (tensor-parallel workers) and drop the queued
         grammar compiles; idempotent."""
         self.grammar_compiles.shutdown()
+        if self.loras is not None:
+            self.loras.shutdown()
         shutdown = getattr(self.model_runner, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -279,6 +359,8 @@ class LLMEngine:
 
     def schedule(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()
+        if self.loras is not None:
+            self.loras.assign_slots(plan, self.scheduler.running_loras())
         self.structured.prepare(plan.scheduled)
         if plan.preempted:
             self._warn_of_preemptions(plan)
@@ -423,7 +505,23 @@ class LLMEngine:
             num_waiting_prompt_tokens=sum(
                 req.num_tokens - req.num_computed_tokens for req in sched.waiting
             ),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        loras = self.loras
+        if loras is None:
+            return {}
+        names = {i: req.lora_name for i, req in loras.requests.items()}
+        sched = self.scheduler
+        return {
+            "num_active_loras": loras.num_resident,
+            "num_cached_loras": loras.num_cached,
+            "num_lora_loads": loras.num_loads,
+            "num_lora_evictions": loras.num_evictions,
+            "lora_running": _count_by_name(sched.running, names),
+            "lora_waiting": _count_by_name([*sched.waiting, *sched.swapped], names),
+        }
 
 
 def _default_runner(config: EngineConfig) -> ModelRunnerLike:
@@ -433,6 +531,21 @@ def _default_runner(config: EngineConfig) -> ModelRunnerLike:
     from asyncengine.distributed.executor import TensorParallelExecutor
 
     return TensorParallelExecutor(config)
+
+
+def _count_by_name(reqs: Iterable[Request], names: dict[int, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for req in reqs:
+        if req.lora_int_id in names:
+            name = names[req.lora_int_id]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name)
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

@@ -6,8 +6,10 @@ alone). The engine's own dataclasses (`ValidatedRequest`, `RequestOutput`, `Engi
 travel as they are: msgspec encodes dataclasses and enums natively, several times faster
 than pickle, so there is no second copy of their fields to keep in step.
 
-    front -> engine   AddRequest, AbortRequests, ResetPrefixCache, Shutdown
-    engine -> front   Ready, StepOutputs, Added, Aborted, PrefixCacheReset, Heartbeat, Failed
+    front -> engine   AddRequest, AbortRequests, ResetPrefixCache, AddLoRA, RemoveLoRA,
+                      ListLoRAs, Shutdown
+    engine -> front   Ready, StepOutputs, Added, Aborted, PrefixCacheReset, LoRAAnswer,
+                      Heartbeat, Failed
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import msgspec
 from asyncengine.core.kv_events import KvEvent
 from asyncengine.engine.llm_engine import EngineStats
 from asyncengine.engine.validator import ValidatedRequest
+from asyncengine.errors import InvalidRequestError, LoRAInUseError, LoRANotFoundError
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 
 
@@ -59,11 +63,33 @@ class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
     ticket: int
 
 
+class AddLoRA(msgspec.Struct, tag=True, array_like=True):
+    """Register an adapter (read off the step); `LoRAAnswer` with the ticket answers."""
+
+    ticket: int
+    lora_request: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag=True, array_like=True):
+    """Forget an adapter no request uses; `LoRAAnswer` answers."""
+
+    ticket: int
+    lora_int_id: int
+
+
+class ListLoRAs(msgspec.Struct, tag=True, array_like=True):
+    """The registered adapters' ids; `LoRAAnswer` answers with them."""
+
+    ticket: int
+
+
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort what is in flight and exit."""
 
 
-ToEngine = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
+ToEngine = (
+    AddRequest | AbortRequests | ResetPrefixCache | AddLoRA | RemoveLoRA | ListLoRAs | Shutdown
+)
 
 
 # -- engine -> front ------------------------------------------------------------------------
@@ -123,6 +149,44 @@ class PrefixCacheReset(msgspec.Struct, tag=True, array_like=True):
     is_reset: bool
 
 
+class LoRAAnswer(msgspec.Struct, tag=True, array_like=True):
+    """The answer to a LoRA call: its result (added / removed) and the registered ids, or
+    the error a caller can act on (`error_kind` "invalid" with its field, "not_found",
+    "in_use")."""
+
+    ticket: int
+    result: bool = False
+    lora_int_ids: list[int] = []
+    error_kind: str | None = None
+    error_field: str | None = None
+    error: str | None = None
+    lora_int_id: int = 0  # the adapter an in_use error names
+    num_requests: int = 0  # (and how many requests use it)
+    not_found: str | int = 0  # the name or id a not_found error names
+
+    @classmethod
+    def failed(cls, ticket: int, exc: Exception) -> LoRAAnswer:
+        """The answer carrying `exc` (InvalidRequestError or a LoRA error)."""
+        if isinstance(exc, InvalidRequestError):
+            return cls(ticket, error_kind="invalid", error_field=exc.field, error=exc.description)
+        if isinstance(exc, LoRAInUseError):
+            return cls(
+                ticket, error_kind="in_use", lora_int_id=exc.lora_int_id,
+                num_requests=exc.num_requests,
+            )  # fmt: skip
+        assert isinstance(exc, LoRANotFoundError), exc
+        return cls(ticket, error_kind="not_found", not_found=exc.name_or_id)
+
+    def exception(self) -> Exception | None:
+        if self.error_kind == "invalid":
+            return InvalidRequestError(self.error_field or "lora_request", self.error or "")
+        if self.error_kind == "in_use":
+            return LoRAInUseError(self.lora_int_id, self.num_requests)
+        if self.error_kind == "not_found":
+            return LoRANotFoundError(self.not_found)
+        return None
+
+
 class Heartbeat(msgspec.Struct, tag=True, array_like=True):
     """Sent every heartbeat interval by a thread of its own, whatever the steps are doing."""
 
@@ -154,7 +218,9 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
         return RuntimeError(self.reason)
 
 
-FromEngine = Ready | StepOutputs | Added | Aborted | PrefixCacheReset | Heartbeat | Failed
+FromEngine = (
+    Ready | StepOutputs | Added | Aborted | PrefixCacheReset | LoRAAnswer | Heartbeat | Failed
+)
 
 
 def request_id_of_malformed(frame: bytes) -> str | None:

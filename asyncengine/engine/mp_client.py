@@ -34,12 +34,16 @@ from asyncengine.engine.messages import (
     Aborted,
     AbortRequests,
     Added,
+    AddLoRA,
     AddRequest,
     Failed,
     FromEngine,
     Heartbeat,
+    ListLoRAs,
+    LoRAAnswer,
     PrefixCacheReset,
     Ready,
+    RemoveLoRA,
     ResetPrefixCache,
     Shutdown,
     StepOutputs,
@@ -52,6 +56,7 @@ from asyncengine.errors import (
     RequestFailedError,
 )
 from asyncengine.logging import get_logger, logging_settings
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.processes import start_process
 
@@ -138,6 +143,7 @@ class MPClient:
         self._adding: dict[str, asyncio.Future[Queued | None]] = {}  # constrained, by core id
         self._aborting: dict[int, asyncio.Future[list[str]]] = {}  # by ticket
         self._resetting: dict[int, asyncio.Future[bool]] = {}  # by ticket
+        self._lora_calls: dict[int, asyncio.Future[LoRAAnswer]] = {}  # by ticket
         self._tickets = itertools.count()
         self._sink: OutputSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -225,6 +231,29 @@ class MPClient:
             return await reply
         finally:
             self._resetting.pop(ticket, None)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return (await self._lora_call(AddLoRA(next(self._tickets), lora_request))).result
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return (await self._lora_call(RemoveLoRA(next(self._tickets), lora_int_id))).result
+
+    async def list_loras(self) -> set[int]:
+        return set((await self._lora_call(ListLoRAs(next(self._tickets)))).lora_int_ids)
+
+    async def _lora_call(self, message: AddLoRA | RemoveLoRA | ListLoRAs) -> LoRAAnswer:
+        self.check_health()
+        reply: asyncio.Future[LoRAAnswer] = asyncio.get_running_loop().create_future()
+        self._lora_calls[message.ticket] = reply
+        self._send(message)
+        try:
+            answer = await reply
+        finally:
+            self._lora_calls.pop(message.ticket, None)
+        error = answer.exception()
+        if error is not None:
+            raise error
+        return answer
 
     def get_stats(self) -> EngineStats:
         return self._stats
@@ -351,6 +380,10 @@ class MPClient:
                 resetting = self._resetting.pop(message.ticket, None)
                 if resetting is not None and not resetting.done():
                     resetting.set_result(message.is_reset)
+            elif isinstance(message, LoRAAnswer):
+                call = self._lora_calls.pop(message.ticket, None)
+                if call is not None and not call.done():
+                    call.set_result(message)
             elif isinstance(message, Aborted):
                 reply = self._aborting.pop(message.ticket, None)
                 if reply is not None and not reply.done():
@@ -402,9 +435,10 @@ class MPClient:
         for aborted in self._aborting.values():
             if not aborted.done():
                 aborted.set_result([])
-        for resetting in self._resetting.values():
-            if not resetting.done():
-                resetting.set_exception(dead)
+        waits: list[asyncio.Future[Any]] = [*self._resetting.values(), *self._lora_calls.values()]
+        for waiting in waits:
+            if not waiting.done():
+                waiting.set_exception(dead)
         self._adding.clear()
         self._aborting.clear()
         if self._sink is not None:

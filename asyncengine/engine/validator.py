@@ -18,6 +18,7 @@ from asyncengine.engine.structured_output import (
     StructuredOutputManager,
 )
 from asyncengine.errors import ContextLengthError, InvalidRequestError
+from asyncengine.lora.request import LoRARequest
 from asyncengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_REQUEST_ID_LEN = 256
@@ -45,6 +46,7 @@ class ValidatedRequest:
     sampling_params: SamplingParams
     priority: int
     cache_salt: str | None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class RequestValidator:

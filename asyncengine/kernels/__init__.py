@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache, each with a plain-torch reference beside it.
+"""Triton kernels for the paged KV cache and LoRA's batched products, each with a plain-torch
+reference beside it.
 
 Importing this package imports nothing yet: each name loads its module, and with it triton, on
 first use. So `import asyncengine` never needs triton (a CPU install has none).
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
         paged_decode_attention,
         paged_decode_attention_ref,
     )
+    from .lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
     from .prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
     from .store_kv import store_kv, store_kv_ref
 
@@ -39,6 +41,10 @@ _MODULE_OF = {
     "choose_num_splits": "decode_attention",
     "paged_decode_attention": "decode_attention",
     "paged_decode_attention_ref": "decode_attention",
+    "lora_expand": "lora",
+    "lora_expand_ref": "lora",
+    "lora_shrink": "lora",
+    "lora_shrink_ref": "lora",
     "paged_prefill_attention": "prefill_attention",
     "paged_prefill_attention_ref": "prefill_attention",
     "store_kv": "store_kv",
@@ -49,6 +55,10 @@ __all__ = [
     "choose_num_splits",
     "copy_blocks",
     "copy_blocks_ref",
+    "lora_expand",
+    "lora_expand_ref",
+    "lora_shrink",
+    "lora_shrink_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.distributed.parallel_state import TensorParallelGroup
+from asyncengine.lora.layers import add_lora
 from asyncengine.models.tp_layers import (
     Shard,
     WeightSource,
@@ -93,6 +94,7 @@ class LlamaAttention(nn.Module):
         tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_heads
@@ -128,7 +130,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        qkv = add_lora(self.qkv_proj(hidden), hidden, self.layer_idx, "qkv_proj")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -136,13 +138,14 @@ class LlamaAttention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q), self.rotary(positions, k)
-        out = self.attn(q, k, v)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.attn(q, k, v).reshape(-1, self.q_size)
+        return add_lora(self.o_proj(out), out, self.layer_idx, "o_proj")
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, tp: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: Any, layer_idx: int, tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         bias = bool(getattr(config, "mlp_bias", False))
         total = config.intermediate_size
         self.intermediate_size: int
@@ -154,11 +157,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel_linear(total, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = add_lora(self.gate_up_proj(x), x, self.layer_idx, "gate_up_proj")
         if gate_up.is_cpu and gate_up.is_contiguous() and cpu_ops.is_loaded():
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            hidden = cpu_ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+        return add_lora(self.down_proj(hidden), hidden, self.layer_idx, "down_proj")
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -167,7 +172,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_idx, rotary, tp)
-        self.mlp = LlamaMLP(config, tp)
+        self.mlp = LlamaMLP(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

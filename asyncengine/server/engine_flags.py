@@ -70,6 +70,19 @@ STRUCTURED = FlagGroup(
         "evicted past this many bytes; 0: none kept",
     },
 )
+LORA = FlagGroup(
+    "engine: LoRA adapters",
+    "PEFT LoRA adapters over the base model, several in one batch (docs/operations.md).",
+    {
+        "enable_lora": "serve LoRA adapters (PEFT adapter_config.json + "
+        "adapter_model.safetensors) on the attention and MLP projections",
+        "max_loras": "adapters resident on the device at once: the most distinct adapters one "
+        "step runs (a request whose adapter has no slot waits for one)",
+        "max_lora_rank": "the highest adapter rank accepted; device slots are sized for it",
+        "max_cpu_loras": "adapters kept loaded in host memory, least recently used evicted (and "
+        "read again, off the step, when needed) (default: --max-loras)",
+    },
+)
 PARALLELISM = FlagGroup(
     "parallelism",
     "Tensor parallelism over torch.distributed (NCCL on CUDA, gloo on CPU), on one node or "
@@ -103,7 +116,7 @@ COMPATIBILITY = FlagGroup(
         "quantization": "refused when given: quantized weights are not supported (default: none)",
     },
 )
-ENGINE_GROUPS = [MODEL, CACHE, STRUCTURED, PARALLELISM, COMPATIBILITY]
+ENGINE_GROUPS = [MODEL, CACHE, STRUCTURED, LORA, PARALLELISM, COMPATIBILITY]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:

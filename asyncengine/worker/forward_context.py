@@ -41,6 +41,7 @@ class AttentionMetadata:
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    lora: Any = None  # asyncengine.lora.layers.LoRABatch: the rows' adapters, if any
 
 
 class _Local(threading.local):
@@ -54,10 +55,10 @@ _local = _Local()
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor]
+    attn_metadata: AttentionMetadata, kv_caches: list[torch.Tensor], lora: Any = None
 ) -> Iterator[None]:
     assert _local.current is None, "forward contexts do not nest"
-    _local.current = ForwardContext(attn_metadata, kv_caches)
+    _local.current = ForwardContext(attn_metadata, kv_caches, lora)
     try:
         yield
     finally:
@@ -67,3 +68,9 @@ def set_forward_context(
 def get_forward_context() -> ForwardContext:
     assert _local.current is not None, "attention ran outside set_forward_context()"
     return _local.current
+
+
+def current_lora() -> Any:
+    """The forward's `LoRABatch`, or None (no adapter in it, or no forward running)."""
+    current = _local.current
+    return None if current is None else current.lora

@@ -12,6 +12,7 @@ from asyncengine.core.request import Request
 from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.distributed.parallel_state import TensorParallelGroup
 from asyncengine.logging import get_logger
+from asyncengine.lora.layers import LoRABatch, LoRAStacks, lora_segments
 from asyncengine.models.loader import get_model
 from asyncengine.outputs import RawLogprobs
 from asyncengine.sampling_params import SamplingParams
@@ -58,6 +59,7 @@ class _BatchInputs:
     sampling_reqs: list[Request]
     logits_indices: torch.Tensor
     prompt_rows: list[_PromptRows] = field(default_factory=list)
+    lora: LoRABatch | None = None
 
 
 class ModelRunner:
@@ -89,6 +91,10 @@ class ModelRunner:
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.sampler = Sampler(self.device, config.model_config.seed)
         self.cache_engine: CacheEngine | None = None
+        lora = config.lora_config
+        self.lora_stacks = None if lora is None else LoRAStacks(
+            model, lora.max_loras, lora.max_lora_rank, self.dtype, self.device, tp
+        )  # fmt: skip
 
     # -- KV cache sizing ---------------------------------------------------------------------
 
@@ -160,6 +166,8 @@ class ModelRunner:
 
     def _weights_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]
+        if self.lora_stacks is not None:
+            tensors += [*self.lora_stacks.a.values(), *self.lora_stacks.b.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _estimate_cpu(self, per_block: int, swap_bytes: int) -> kv_sizing.MemoryBreakdown:
@@ -281,10 +289,11 @@ class ModelRunner:
         outputs); it runs while the forward does (on CUDA the forward is still in flight)."""
         assert self.cache_engine is not None, "initialize_cache() first"
         self.cache_engine.apply(plan)
+        self.load_loras(plan.lora_loads)
         if not plan.scheduled:
             return ModelRunnerOutput()
         batch = self._prepare_inputs(plan)
-        with set_forward_context(batch.attn_metadata, self.cache_engine.gpu_cache):
+        with set_forward_context(batch.attn_metadata, self.cache_engine.gpu_cache, batch.lora):
             hidden = self.model(batch.input_ids, batch.positions)
         output = ModelRunnerOutput()
         for rows in batch.prompt_rows:
@@ -308,6 +317,12 @@ class ModelRunner:
         }
         return output
 
+    def load_loras(self, loads: dict[int, Any]) -> None:
+        """Copy adapters (host `LoRAWeights`) into their device slots."""
+        for slot, weights in loads.items():
+            assert self.lora_stacks is not None, "an adapter to load, and LoRA is off"
+            self.lora_stacks.load(slot, weights)
+
     def _score_prompt(
         self, hidden: torch.Tensor, rows: _PromptRows
     ) -> tuple[int, list[RawLogprobs]]:
@@ -327,9 +342,10 @@ class ModelRunner:
         return first_target, entries
 
     def _prepare_inputs(self, plan: SchedulerOutput) -> _BatchInputs:
-        # one-token sequences first, so attention can treat them as one padded batch
+        # one-token sequences first, so attention can treat them as one padded batch; then
+        # by adapter, so each adapter's rows are one segment among the decodes and one after
         num_new = plan.num_scheduled_tokens
-        reqs = sorted(plan.scheduled, key=lambda r: num_new[r.request_id] != 1)
+        reqs = sorted(plan.scheduled, key=lambda r: (num_new[r.request_id] != 1, r.lora_int_id))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -381,4 +397,19 @@ class ModelRunner:
             sampling_reqs=sampling_reqs,
             logits_indices=tensor(logits_indices, torch.long),
             prompt_rows=prompt_rows,
+            lora=self._lora_batch(plan, reqs),
         )
+
+    def _lora_batch(self, plan: SchedulerOutput, reqs: list[Request]) -> LoRABatch | None:
+        if self.lora_stacks is None or not plan.lora_slots:
+            return None
+        num_new, slots = plan.num_scheduled_tokens, plan.lora_slots
+        row_slots = []
+        for req in reqs:
+            row_slots += [slots.get(req.lora_int_id, -1)] * num_new[req.request_id]
+        # the Triton kernels where attention runs them (CUDA), else grouped matmuls
+        use_kernels = self.config.device_config.attention_backend == "triton"
+        slots_tensor = None
+        if use_kernels:
+            slots_tensor = torch.tensor(row_slots, dtype=torch.int32, device=self.device)
+        return LoRABatch(self.lora_stacks, lora_segments(row_slots), slots_tensor)

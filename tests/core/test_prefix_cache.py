@@ -17,6 +17,7 @@ class Seq:
     token_ids: list[int]
     cache_salt: str | None = None
     num_computed_tokens: int = field(default=0)
+    lora_int_id: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +92,17 @@ def test_different_salts_never_share_blocks():
     run_prefill(bm, Seq("a", prompt, cache_salt="tenant-1"))
     assert run_prefill(bm, Seq("b", prompt, cache_salt="tenant-2")) == 0
     assert run_prefill(bm, Seq("c", prompt, cache_salt="tenant-1")) == 2 * BS
+
+
+def test_different_lora_adapters_never_share_blocks():
+    bm = create_block_manager()
+    prompt = list(range(30, 39))
+    run_prefill(bm, Seq("a", prompt, lora_int_id=1))
+    assert run_prefill(bm, Seq("b", prompt, lora_int_id=2)) == 0
+    bm.free(Seq("b", []))
+    assert run_prefill(bm, Seq("c", prompt)) == 0  # nor the base model with an adapter
+    bm.free(Seq("c", []))
+    assert run_prefill(bm, Seq("d", prompt, lora_int_id=1)) == 2 * BS
 
 
 def test_a_hash_collision_never_returns_another_prefix():
