@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
@@ -409,7 +409,7 @@ class AsyncLLMEngine:
         if previous is not None:  # an earlier event loop ended under the engine
             self._abort_streams(list(self._streams))
 
-    def on_outputs(self, outputs: list[RequestOutput], step: StepStats | None) -> None:
+    def on_outputs(self, outputs: list[RequestOutput], steps: Sequence[StepStats]) -> None:
         """The core's outputs, each to its stream (found by the core's id)."""
         streams = self._core_streams
         for out in outputs:
@@ -426,8 +426,9 @@ class AsyncLLMEngine:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
             self._end(stream, out)
-        if step is not None:
-            self._throughput.add(step.num_generated_tokens)
+        if steps:
+            self._throughput.add(sum(step.num_generated_tokens for step in steps))
+        for step in steps:
             if self.observer is not None:
                 self.observer.on_step(step)
             if self._is_step_logged:
