@@ -44,7 +44,8 @@ SHUTDOWN_ABORT_S = 10.0
 class EngineObserver(Protocol):
     """Receives the loop's measurements (metrics). Every call runs on the loop: keep them cheap."""
 
-    def on_step(self, stats: StepStats) -> None: ...
+    def on_steps(self, steps: Sequence[StepStats]) -> None:
+        """The figures of one step or more (never none), in order."""
 
     def on_request_done(self, request_id: str, output: RequestOutput | None) -> None:
         """Once per request: its final output, or None when the engine died under it."""
@@ -426,12 +427,13 @@ class AsyncLLMEngine:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
             self._end(stream, out)
-        if steps:
-            self._throughput.add(sum(step.num_generated_tokens for step in steps))
-        for step in steps:
-            if self.observer is not None:
-                self.observer.on_step(step)
-            if self._is_step_logged:
+        if not steps:
+            return
+        self._throughput.add(sum(step.num_generated_tokens for step in steps))
+        if self.observer is not None:
+            self.observer.on_steps(steps)
+        if self._is_step_logged:
+            for step in steps:
                 logger.debug("step", num_outputs=len(outputs), **vars(step))
 
     def _end(self, stream: RequestStream, final: RequestOutput) -> None:
