@@ -16,6 +16,7 @@ __all__ = [
     "RawLogprobs",
     "RequestMetrics",
     "RequestOutput",
+    "merge_deltas",
 ]
 
 
@@ -131,3 +132,30 @@ class RequestOutput:
         self.finished, self.error, self.metrics = later.finished, later.error, later.metrics
         if later.prompt_logprobs is not None:
             self.prompt_logprobs = later.prompt_logprobs
+
+
+def merge_deltas(out: RequestOutput, later: list[RequestOutput]) -> None:
+    """Merge later DELTA outputs of a request into `out`, as `RequestOutput.extend` one by one
+    would, with each sample's text and tokens joined once (not copied per output)."""
+    by_index: dict[int, list[CompletionOutput]] = {c.index: [c] for c in out.outputs}
+    for each in later:
+        for completion in each.outputs:
+            by_index.setdefault(completion.index, []).append(completion)
+    merged = []
+    for index in sorted(by_index):
+        parts = by_index[index]
+        first, last = parts[0], parts[-1]
+        if len(parts) > 1:
+            first.text = "".join([part.text for part in parts])
+            first.token_ids = [token for part in parts for token in part.token_ids]
+            if any(part.logprobs is not None for part in parts):
+                first.logprobs = [entry for part in parts for entry in part.logprobs or ()]
+            first.finish, first.stop_reason = last.finish, last.stop_reason
+            first.cumulative_logprob = last.cumulative_logprob
+        merged.append(first)
+    out.outputs = merged
+    final = later[-1]
+    out.finished, out.error, out.metrics = final.finished, final.error, final.metrics
+    for each in later:
+        if each.prompt_logprobs is not None:
+            out.prompt_logprobs = each.prompt_logprobs

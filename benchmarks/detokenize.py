@@ -82,7 +82,7 @@ def measure(model: str, num_requests: int, max_tokens: int) -> dict[str, Any]:
         updated = time.perf_counter()
         for out in outputs:
             out.prompt, out.prompt_token_ids = None, []
-        decoder.decode(encoder.encode(StepOutputs(outputs, None, engine.get_stats())))
+        decoder.decode(encoder.encode(StepOutputs(outputs, [], engine.get_stats())))
         channel_s += time.perf_counter() - updated
         step_s += updated - started
         execute_s += executed - scheduled

@@ -37,7 +37,7 @@ from asyncengine.engine.mp_client import MPClient
 from asyncengine.errors import RequestFailedError
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import RequestOutputKind, StructuredOutputsParams
-from asyncengine.testing import hooked_llm_engine
+from asyncengine.testing import fake_engine, hooked_llm_engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -494,6 +494,48 @@ def test_a_burst_of_a_thousand_long_prompts_is_served(model_dir) -> None:
         assert not engine.errored
     finally:
         asyncio.run(engine.shutdown())
+
+
+def test_a_busy_front_gets_every_token_in_order_in_fewer_messages_than_steps(model_dir) -> None:
+    """While the front's event loop is blocked, the engine process steps on and gathers its
+    steps into one message: every stream still gets all its tokens, in order, and one final,
+    as the in-process engine gives them."""
+    args = engine_args(model_dir, block_size=8, num_gpu_blocks_override=256)
+    prompts = [[5 + i, 9, 200, 31] for i in range(8)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def run(engine: AsyncLLMEngine, is_front_busy: bool) -> list[list[RequestOutput]]:
+        calls = [collect(engine, p, params, f"q{i}") for i, p in enumerate(prompts)]
+        tasks = [asyncio.create_task(call) for call in calls]
+        if is_front_busy:
+            client = engine.core
+            assert isinstance(client, MPClient)
+            while client.num_steps == 0:
+                await asyncio.sleep(0.001)
+            time.sleep(0.5)  # the loop blocked: the engine's remaining steps take ~0.1 s
+        results = await asyncio.gather(*tasks)
+        assert_nothing_left(engine)
+        return list(results)
+
+    expected = uvloop.run(run(fake_engine(args), is_front_busy=False))
+    factory = functools.partial(hooked_llm_engine, fake_runner=True, step_delay_s=0.002)
+    engine = process_engine(args, factory)
+    try:
+        results = uvloop.run(run(engine, is_front_busy=True))
+        client = engine.core
+        assert isinstance(client, MPClient)
+        assert client.num_step_messages < client.num_steps
+    finally:
+        asyncio.run(engine.shutdown())
+    for outs, want in zip(results, expected, strict=True):
+        assert [out.finished for out in outs] == [False] * (len(outs) - 1) + [True]
+        tokens = [t for out in outs for t in out.outputs[0].token_ids]
+        assert tokens == [t for out in want for t in out.outputs[0].token_ids]
+        assert len(tokens) == 40
+        assert "".join(out.outputs[0].text for out in outs) == "".join(
+            out.outputs[0].text for out in want
+        )
+        assert outs[-1].outputs[0].finish_reason == "length"
 
 
 # -- liveness: a heartbeat, not the steps, says the engine process is alive ----------------------

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Protocol, TypeVar
@@ -45,7 +45,8 @@ SHUTDOWN_ABORT_S = 10.0
 class EngineObserver(Protocol):
     """Receives the loop's measurements (metrics). Every call runs on the loop: keep them cheap."""
 
-    def on_step(self, stats: StepStats) -> None: ...
+    def on_steps(self, steps: Sequence[StepStats]) -> None:
+        """The figures of one step or more (never none), in order."""
 
     def on_request_done(self, request_id: str, output: RequestOutput | None) -> None:
         """Once per request: its final output, or None when the engine died under it."""
@@ -450,7 +451,7 @@ class AsyncLLMEngine:
         if previous is not None:  # an earlier event loop ended under the engine
             self._abort_streams(list(self._streams))
 
-    def on_outputs(self, outputs: list[RequestOutput], step: StepStats | None) -> None:
+    def on_outputs(self, outputs: list[RequestOutput], steps: Sequence[StepStats]) -> None:
         """The core's outputs, each to its stream (found by the core's id)."""
         streams = self._core_streams
         for out in outputs:
@@ -467,11 +468,13 @@ class AsyncLLMEngine:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
             self._end(stream, out)
-        if step is not None:
-            self._throughput.add(step.num_generated_tokens)
-            if self.observer is not None:
-                self.observer.on_step(step)
-            if self._is_step_logged:
+        if not steps:
+            return
+        self._throughput.add(sum(step.num_generated_tokens for step in steps))
+        if self.observer is not None:
+            self.observer.on_steps(steps)
+        if self._is_step_logged:
+            for step in steps:
                 logger.debug("step", num_outputs=len(outputs), **vars(step))
 
     def _end(self, stream: RequestStream, final: RequestOutput) -> None:

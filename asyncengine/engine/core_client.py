@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -49,8 +49,9 @@ class EngineFront(Protocol):
 class OutputSink(Protocol):
     """Where a core client delivers (AsyncLLMEngine); every call runs on the event loop."""
 
-    def on_outputs(self, outputs: list[RequestOutput], step: StepStats | None) -> None:
-        """A step's outputs (`step` its figures), or the finals of aborted requests (None)."""
+    def on_outputs(self, outputs: list[RequestOutput], steps: Sequence[StepStats]) -> None:
+        """The outputs of one step or more (`steps` their figures, in order), or the finals
+        of aborted requests (no steps)."""
 
     def on_dead(self, cause: BaseException) -> None:
         """The core can no longer step: every stream must be told."""
@@ -172,7 +173,7 @@ class InprocClient:
                 waiting.cancel()
                 finals.append(RequestOutput.aborted(request_id, request.sampling_params.n))
         if finals and self._sink is not None:
-            self._sink.on_outputs(finals, None)
+            self._sink.on_outputs(finals, ())
         done: asyncio.Future[list[str]] = asyncio.get_running_loop().create_future()
         done.set_result([out.request_id for out in finals])
         return done
@@ -224,7 +225,7 @@ class InprocClient:
             executed = time.perf_counter()
             outputs = engine.update(plan, result)
             step = step_stats(plan, result, scheduled - started, execute_s, executed)
-            self._sink.on_outputs(outputs, step)
+            self._sink.on_outputs(outputs, (step,))
             if events := engine.take_kv_events():
                 self._sink.on_kv_events(events)
             # let the streams run before the next step; the step itself never awaits them
@@ -237,7 +238,7 @@ class InprocClient:
             # failure. What was in flight is aborted; a later event loop may step again
             finals = self.engine.abort_request(self.engine.in_flight_ids())
             if finals:
-                self._sink.on_outputs(finals, None)
+                self._sink.on_outputs(finals, ())
             logger.debug("step_loop_stopped", reason="its event loop ended")
             return
         cause = task.exception()

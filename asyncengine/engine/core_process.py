@@ -6,7 +6,8 @@ two ZMQ sockets (engine/messages.py says what crosses):
 
 - input (PULL): requests and aborts, read by a thread of its own into a queue, so the parent
   is never held up by a step; the loop takes what is queued between steps.
-- output (PUSH): each step's outputs in one message, sent by the loop.
+- output (PUSH): each step's outputs in one message, sent by the loop; while the parent has
+  not taken the last one (`OutputsTaken`), the steps made meanwhile go in the next one.
 
 A third thread proves the process alive: a heartbeat every `heartbeat_interval_s`, whatever the
 steps are doing, and it ends the process when a step runs past `step_timeout_s` or the parent
@@ -43,19 +44,21 @@ from asyncengine.engine.messages import (
     Heartbeat,
     ListLoRAs,
     LoRAAnswer,
+    OutputsTaken,
     PrefixCacheReset,
     Ready,
     RemoveLoRA,
     ResetPrefixCache,
     Shutdown,
-    StepOutputs,
     ToEngine,
     request_id_of_malformed,
 )
+from asyncengine.engine.output_batch import OutputBatch
 from asyncengine.engine.validator import ValidatedRequest
 from asyncengine.errors import InvalidRequestError, LoRAInUseError, LoRANotFoundError
 from asyncengine.logging import get_logger
 from asyncengine.outputs import RequestOutput
+from asyncengine.sampling_params import RequestOutputKind
 
 logger = get_logger(__name__)
 
@@ -210,6 +213,8 @@ class _Core:
         self.compiling: dict[str, tuple[ValidatedRequest, GrammarCompile]] = {}
         self.is_stopping = False
         self.last_phases = 0.0
+        self.batch = OutputBatch()  # outputs made while the parent has not taken the last
+        self.is_sent_untaken = False  # a StepOutputs went out and no OutputsTaken since
         monitor.on_parent_gone = lambda: self.commands.put(Shutdown())
         input_sock = context.socket(zmq.PULL)
         input_sock.setsockopt(zmq.RCVHWM, 0)
@@ -228,7 +233,17 @@ class _Core:
                 self.commands.put(_Malformed(request_id_of_malformed(frame.bytes), str(exc)))
 
     def send(self, message: msgspec.Struct) -> None:
+        """Send a message other than outputs, after the outputs gathered (they came first)."""
+        self._send_batch()
+        self._send(message)
+
+    def _send(self, message: msgspec.Struct) -> None:
         self.output.send(self.encoder.encode(message), copy=False)
+
+    def _send_batch(self) -> None:
+        if self.batch:
+            self._send(self.batch.take(self.engine.get_stats()))
+            self.is_sent_untaken = True
 
     def run(self) -> None:
         engine = self.engine
@@ -243,6 +258,7 @@ class _Core:
                     break
             if not self.is_stopping and engine.has_unfinished_requests():
                 self._step()
+        self._send_batch()
         self.compiling.clear()
         engine.abort_request(engine.in_flight_ids())
 
@@ -276,10 +292,10 @@ class _Core:
     def _send_outputs(
         self, outputs: list[RequestOutput], step: Any, phases: Any = None, kv_events: Any = ()
     ) -> None:
-        for out in outputs:  # the parent's stream has the prompt
-            out.prompt, out.prompt_token_ids = None, []
-        stats = self.engine.get_stats()
-        self.send(StepOutputs(outputs, step, stats, phases, list(kv_events)))
+        """Gather them, and send what is gathered unless the parent has yet to take the last."""
+        self.batch.add(outputs, step, phases, list(kv_events))
+        if not self.is_sent_untaken:
+            self._send_batch()
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, AddRequest):
@@ -292,6 +308,9 @@ class _Core:
                 compile_.add_done_callback(functools.partial(self._on_compile_done, request))
         elif isinstance(message, _Compiled):
             self._on_compiled(message)
+        elif isinstance(message, OutputsTaken):
+            self.is_sent_untaken = False
+            self._send_batch()
         elif isinstance(message, AbortRequests):
             self._abort(message)
         elif isinstance(message, ResetPrefixCache):
@@ -387,6 +406,8 @@ class _Core:
             logger.error("request_failed", request_id=request.request_id, cause=repr(exc))
             self.send(Added(request.request_id, error=repr(exc)))
             return
+        is_delta = request.sampling_params.output_kind is RequestOutputKind.DELTA
+        self.batch.track(request.request_id, is_delta)
         if request.sampling_params.structured_outputs is not None:
             kind, compile_s = constraint.kind, constraint.compile_s
             self.send(Added(request.request_id, constraint_kind=kind, compile_s=compile_s))

@@ -6,10 +6,13 @@ alone). The engine's own dataclasses (`ValidatedRequest`, `RequestOutput`, `Engi
 travel as they are: msgspec encodes dataclasses and enums natively, several times faster
 than pickle, so there is no second copy of their fields to keep in step.
 
-    front -> engine   AddRequest, AbortRequests, ResetPrefixCache, AddLoRA, RemoveLoRA,
-                      ListLoRAs, Shutdown
+    front -> engine   AddRequest, AbortRequests, ResetPrefixCache, OutputsTaken, AddLoRA,
+                      RemoveLoRA, ListLoRAs, Shutdown
     engine -> front   Ready, StepOutputs, Added, Aborted, PrefixCacheReset, LoRAAnswer,
                       Heartbeat, Failed
+
+While the front has not taken the last `StepOutputs` (its `OutputsTaken` says it has), the
+engine gathers the steps it makes meanwhile into the next one (engine/output_batch.py).
 """
 
 from __future__ import annotations
@@ -63,6 +66,11 @@ class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
     ticket: int
 
 
+class OutputsTaken(msgspec.Struct, tag=True, array_like=True):
+    """The front has handed every `StepOutputs` it received to its streams: the engine may
+    send the next one (until then it gathers its steps' outputs into one)."""
+
+
 class AddLoRA(msgspec.Struct, tag=True, array_like=True):
     """Register an adapter (read off the step); `LoRAAnswer` with the ticket answers."""
 
@@ -88,7 +96,14 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
 
 
 ToEngine = (
-    AddRequest | AbortRequests | ResetPrefixCache | AddLoRA | RemoveLoRA | ListLoRAs | Shutdown
+    AddRequest
+    | AbortRequests
+    | ResetPrefixCache
+    | OutputsTaken
+    | AddLoRA
+    | RemoveLoRA
+    | ListLoRAs
+    | Shutdown
 )
 
 
@@ -105,14 +120,15 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """One step's outputs (or an abort's finals: `step` None) and the engine's figures.
+    """The outputs of the steps made since the last one (one per request, merged), or an
+    abort's finals, with each step's figures in order and the engine's figures now.
 
     Outputs carry no prompt: the front's stream has it. `phases` (every request's phase, for
     heartbeats to callers) comes at most every few hundred milliseconds.
     """
 
     outputs: list[RequestOutput]
-    step: StepStats | None
+    steps: list[StepStats]
     stats: EngineStats
     phases: dict[str, str] | None = None
     kv_events: list[KvEvent] = []  # the step's prefix-cache events, when they are on

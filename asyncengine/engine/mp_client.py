@@ -2,7 +2,9 @@
 
 The parent's side of the channel (the child's is engine/core_process.py). It binds two ZMQ
 sockets: requests and aborts go out on one, sent from the event loop; outputs come back on the
-other, read by a thread of its own that decodes them and hands them to the loop. That thread
+other, read by a thread of its own that decodes them and hands them to the loop. Once the
+streams they woke have run, `OutputsTaken` tells the child: until then it gathers its steps
+into one message, so a busy loop takes one message however many steps it missed. The thread
 also watches the child: a process that exits, or that sends nothing (not even a heartbeat) for
 `heartbeat_timeout_s`, is a dead engine, as a crash is; a silent one is killed first.
 """
@@ -41,6 +43,7 @@ from asyncengine.engine.messages import (
     Heartbeat,
     ListLoRAs,
     LoRAAnswer,
+    OutputsTaken,
     PrefixCacheReset,
     Ready,
     RemoveLoRA,
@@ -147,6 +150,9 @@ class MPClient:
         self._tickets = itertools.count()
         self._sink: OutputSink | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.num_step_messages = 0  # StepOutputs taken, and the steps they carried
+        self.num_steps = 0
+        self._is_taken_due = False  # an OutputsTaken is to be sent once the streams ran
         self._dead: BaseException | None = None  # set by the reader the moment it knows
         self._is_closing = False
         self._last_heard = time.monotonic()
@@ -195,6 +201,8 @@ class MPClient:
 
     def start(self, sink: OutputSink) -> None:
         self._sink, self._loop = sink, asyncio.get_running_loop()
+        # outputs an earlier event loop never took would hold the child's next ones back
+        self._send_taken()
 
     async def add_request(self, request: ValidatedRequest) -> Queued | None:
         self.check_health()
@@ -395,11 +403,17 @@ class MPClient:
                 self._post_death(message.error())
 
     def _on_outputs(self, message: StepOutputs) -> None:
+        self.num_step_messages += 1
+        self.num_steps += len(message.steps)
         self._stats = message.stats
         if message.phases is not None:
             self._phases = message.phases
-        assert self._sink is not None
-        self._sink.on_outputs(message.outputs, message.step)
+        assert self._sink is not None and self._loop is not None
+        self._sink.on_outputs(message.outputs, message.steps)
+        if not self._is_taken_due:
+            # after the callbacks the outputs scheduled: the streams they woke run first
+            self._is_taken_due = True
+            self._loop.call_soon(self._send_taken)
         if message.kv_events:
             self._sink.on_kv_events(message.kv_events)
         if self._adding:  # constrained requests aborted while compiling end here
@@ -408,12 +422,18 @@ class MPClient:
                 if reply is not None and not reply.done():
                     reply.set_result(None)
 
+    def _send_taken(self) -> None:
+        self._is_taken_due = False
+        if self._dead is None:
+            with contextlib.suppress(zmq.ZMQError):  # no child to take it: it is dead
+                self._send_now(OutputsTaken())
+
     def _on_added(self, added: Added) -> None:
         reply = self._adding.pop(added.request_id, None)
         if reply is None:  # a request queued without a reply could not be queued after all
             if added.error is not None and self._sink is not None:
                 failed = RequestOutput(added.request_id, None, [], [], True, error=_UNQUEUED)
-                self._sink.on_outputs([failed], None)
+                self._sink.on_outputs([failed], ())
             return
         if reply.done():  # its caller left
             return

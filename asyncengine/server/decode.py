@@ -73,6 +73,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, bounds: MessageBounds | None = None) -> None:
         self._bounds = bounds or MessageBounds({})
+        # by method: the handler last guarded and its guarded one (built once, not per call)
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -82,7 +84,11 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
-        return _guarded(handler, handler_call_details.method, self._bounds)
+        method = handler_call_details.method  # a served one: the cache is bounded
+        cached = self._guarded.get(method)
+        if cached is None or cached[0] is not handler:
+            cached = self._guarded[method] = (handler, _guarded(handler, method, self._bounds))
+        return cached[1]
 
 
 def _guarded(

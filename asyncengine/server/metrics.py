@@ -2,15 +2,15 @@
 
 Load gauges and the counters the engine already keeps are read from `get_stats()` when
 Prometheus scrapes (from the HTTP thread: plain reads of ints and list lengths). The step loop
-reports the rest through the `EngineObserver` calls: per step a few O(1) observations, and per
-finished request its latencies, computed from the request's own timings rather than per token.
+reports the rest through the `EngineObserver` calls: its steps' figures, a batch at a time, and
+per finished request its latencies, computed from the request's own timings, not per token.
 Every server has its own registry, so several can share one process (tests, benchmarks).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -22,6 +22,7 @@ from asyncengine.engine.async_llm_engine import AsyncLLMEngine, StepStats
 from asyncengine.engine.llm_engine import EngineStats
 from asyncengine.outputs import RequestOutput
 from asyncengine.server.abort_reason import AbortReason
+from asyncengine.server.batch_histogram import BatchHistogram
 
 P = "asyncengine_"
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline", "aborted", "error")
@@ -206,21 +207,20 @@ class ServerMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=r,
         )
-        self.schedule_time = Histogram(
-            P + "step_schedule_seconds", "Scheduler time per step", buckets=_STEP_BUCKETS,
-            registry=r,
-        )  # fmt: skip
-        self.forward_time = Histogram(
+        self.schedule_time = BatchHistogram(
+            P + "step_schedule_seconds", "Scheduler time per step", _STEP_BUCKETS, r
+        )
+        self.forward_time = BatchHistogram(
             P + "step_forward_seconds",
             "Block moves + forward + sampling per step",
-            buckets=_STEP_BUCKETS,
-            registry=r,
+            _STEP_BUCKETS,
+            r,
         )
-        self.update_time = Histogram(
+        self.update_time = BatchHistogram(
             P + "step_update_seconds",
             "Token appends, stop checks and detokenization per step",
-            buckets=_STEP_BUCKETS,
-            registry=r,
+            _STEP_BUCKETS,
+            r,
         )
 
         self.structured_requests = Counter(
@@ -243,16 +243,16 @@ class ServerMetrics:
 
     # -- EngineObserver ----------------------------------------------------------------------
 
-    def on_step(self, stats: StepStats) -> None:
-        self.schedule_time.observe(stats.schedule_s)
-        self.forward_time.observe(stats.execute_s)
-        self.update_time.observe(stats.update_s)
-        if stats.num_generated_tokens:
-            self.generation_tokens.inc(stats.num_generated_tokens)
-        if stats.num_blocks_swapped_out:
-            self.swapped_blocks.labels("out").inc(stats.num_blocks_swapped_out)
-        if stats.num_blocks_swapped_in:
-            self.swapped_blocks.labels("in").inc(stats.num_blocks_swapped_in)
+    def on_steps(self, steps: Sequence[StepStats]) -> None:
+        self.schedule_time.observe_all([step.schedule_s for step in steps])
+        self.forward_time.observe_all([step.execute_s for step in steps])
+        self.update_time.observe_all([step.update_s for step in steps])
+        if num_tokens := sum(step.num_generated_tokens for step in steps):
+            self.generation_tokens.inc(num_tokens)
+        if num_out := sum(step.num_blocks_swapped_out for step in steps):
+            self.swapped_blocks.labels("out").inc(num_out)
+        if num_in := sum(step.num_blocks_swapped_in for step in steps):
+            self.swapped_blocks.labels("in").inc(num_in)
 
     def on_structured_request(self, kind: str, compile_s: float | None) -> None:
         self.structured_requests.labels(kind).inc()
