@@ -70,6 +70,16 @@ STRUCTURED = FlagGroup(
         "evicted past this many bytes; 0: none kept",
     },
 )
+SPECULATIVE = FlagGroup(
+    "engine: speculative decoding",
+    "A proposer guesses the next tokens; the model checks them all in one forward.",
+    {
+        "speculative_config": "vLLM's JSON object, e.g. '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_DIR, "
+        "\"num_speculative_tokens\": 4}'; also disable_by_batch_size (default 8) and "
+        "min_acceptance_rate (default 0.1) (default: no speculation)",
+    },
+)
 PARALLELISM = FlagGroup(
     "parallelism",
     "Tensor parallelism over torch.distributed (NCCL on CUDA, gloo on CPU), on one node or "
@@ -103,7 +113,7 @@ COMPATIBILITY = FlagGroup(
         "quantization": "refused when given: quantized weights are not supported (default: none)",
     },
 )
-ENGINE_GROUPS = [MODEL, CACHE, STRUCTURED, PARALLELISM, COMPATIBILITY]
+ENGINE_GROUPS = [MODEL, CACHE, STRUCTURED, SPECULATIVE, PARALLELISM, COMPATIBILITY]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:

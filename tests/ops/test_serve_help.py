@@ -31,6 +31,7 @@ GROUPS = {
     "--enable-kv-events --expected-concurrency --max-prompt-bytes",
     "engine: structured outputs": "--grammar-compile-threads --max-grammar-compile-s "
     "--max-grammar-cache-bytes",
+    "engine: speculative decoding": "--speculative-config",
     "parallelism": "--tensor-parallel-size --num-nodes --distributed-init-method "
     "--distributed-timeout-s --pipeline-parallel-size",
     "vLLM compatibility": "--trust-remote-code --enforce-eager --disable-log-stats "
