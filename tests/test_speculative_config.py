@@ -62,7 +62,7 @@ def test_bad_configs_name_their_field(model_dir, value, field) -> None:
 
 def test_a_draft_model_must_share_the_vocabulary(model_dir) -> None:
     other = model_dir("llama", vocab_size=600)
-    with pytest.raises(ValueError, match="speculative_config.model must be a model with the "):
+    with pytest.raises(ValueError, match=r"speculative_config\.model must be a model with the "):
         config(model_dir, {"model": str(other), "num_speculative_tokens": 2})
 
 
