@@ -156,7 +156,7 @@ class SpeculativeConfig:
                 "the draft model's directory for method 'draft_model'",
                 model,
             )
-            fields["model"] = resolve_model_path(model)
+            fields["model"] = resolve_model_path(str(model))
         else:
             _require(
                 fields.get("model") is None,
