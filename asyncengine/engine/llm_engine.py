@@ -6,7 +6,7 @@ import atexit
 import gc
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,7 +22,7 @@ from asyncengine.engine.structured_output import CompiledConstraint, StructuredO
 from asyncengine.engine.validator import RequestValidator, ValidatedRequest
 from asyncengine.errors import DuplicateRequestError
 from asyncengine.logging import get_logger
-from asyncengine.outputs import RequestOutput
+from asyncengine.outputs import RawLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -74,6 +74,18 @@ def _no_logprobs(request_id: str) -> None:
     return None
 
 
+def _logprobs_of(result: ModelRunnerOutput) -> Callable[[str], list[RawLogprobs] | None]:
+    """A request's logprobs this step, one per new token (accepted drafts first)."""
+
+    def of(request_id: str) -> list[RawLogprobs] | None:
+        last = result.logprobs.get(request_id)
+        if last is None:
+            return None
+        return [*result.spec_logprobs.get(request_id, ()), last]
+
+    return of
+
+
 def freeze_heap() -> None:
     """Keep the collector's full passes off what start-up built.
 
@@ -119,7 +131,9 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
             enable_kv_events=cache.enable_kv_events,
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.block_manager, config.speculative_config
+        )
         grammar_config = config.structured_outputs_config
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids, grammar_config.max_cache_bytes
@@ -326,8 +340,11 @@ class LLMEngine:
             self._take_failures_and_prompt_logprobs(plan, result, changed)
         structured, finish = self.structured, self.scheduler.finish_request
         any_constrained = structured.has_requests
-        logprobs_of = result.logprobs.get if result.logprobs else _no_logprobs
-        for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
+        logprobs_of = _logprobs_of(result) if result.logprobs else _no_logprobs
+        updated = self.scheduler.update_from_output(
+            plan, result.sampled_token_ids, result.spec_results
+        )
+        for req in updated:
             state = self._groups[req.group_id]
             changed[req.group_id] = state
             if any_constrained:
