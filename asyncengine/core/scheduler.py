@@ -406,10 +406,10 @@ class Scheduler:
         self.block_manager.mark_computed(req, min(req.num_computed_tokens, req.num_tokens))
         if req.first_token_time is None:
             req.first_token_time = now
-        token_id = sampled_token_ids.get(req.request_id)
-        if token_id is None:  # its sampling failed: the engine has ended it
+        sampled = sampled_token_ids.get(req.request_id)
+        if sampled is None:  # its sampling failed: the engine has ended it
             return
-        for token_id in (*accepted, token_id):
+        for token_id in (*accepted, sampled):
             req.append_token(token_id)
             reason = self._check_stop(req, token_id)
             if reason is not None:
