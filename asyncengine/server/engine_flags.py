@@ -74,10 +74,10 @@ SPECULATIVE = FlagGroup(
     "engine: speculative decoding",
     "A proposer guesses the next tokens; the model checks them all in one forward.",
     {
-        "speculative_config": "vLLM's JSON object, e.g. '{\"method\": \"ngram\", "
-        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}' or '{\"model\": DRAFT_DIR, "
-        "\"num_speculative_tokens\": 4}'; also disable_by_batch_size (default 8) and "
-        "min_acceptance_rate (default 0.1) (default: no speculation)",
+        "speculative_config": "vLLM's JSON object: method ngram with num_speculative_tokens, "
+        "prompt_lookup_max and prompt_lookup_min, or model DRAFT_DIR with num_speculative_tokens "
+        "(a draft model); also disable_by_batch_size (default 8) and min_acceptance_rate "
+        "(default 0.1) (default: no speculation)",
     },
 )
 PARALLELISM = FlagGroup(
