@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.core.spec_decode import SpecDecodeStats
+from asyncengine.worker.proposers import ngram_lookup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -47,6 +49,21 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
     assert stats.num_free_cpu_blocks == stats.num_cpu_blocks
     llm.llm_engine.block_manager.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "k", "min_n", "max_n", "drafts"),
+    [
+        ([1, 2, 3, 4, 1, 2, 3], 2, 1, 3, [4, 1]),  # the longest suffix, [1, 2, 3]
+        ([1, 2, 9, 1, 2, 7, 1, 2], 3, 1, 2, [7, 1, 2]),  # its latest earlier occurrence
+        ([5, 1, 2, 9, 2], 2, 1, 2, [9, 2]),  # [1, 2] is not found, [2] is
+        ([5, 1, 2, 9, 2], 2, 2, 2, []),  # ... unless n must be 2
+        ([1, 2, 3], 4, 1, 4, []),  # nothing repeats
+        ([7, 7], 4, 1, 4, [7]),  # no more than what followed
+    ],
+)
+def test_ngram_lookup(tokens, k, min_n, max_n, drafts) -> None:
+    assert ngram_lookup(np.asarray(tokens), k, min_n, max_n) == drafts
 
 
 @pytest.fixture(scope="module")
