@@ -10,6 +10,7 @@ import pytest
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.core.spec_decode import SpecDecodeStats
+from asyncengine.server.metrics import _spec_decode_metrics
 from asyncengine.worker.proposers import ngram_lookup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -81,6 +82,26 @@ def test_ngram_greedy_equals_plain_decoding_and_hf(model_dir, hf_greedy, plain) 
     assert stats.num_accepted_tokens > 0, stats  # speculation really ran and paid
     assert stats.num_draft_tokens > stats.num_accepted_tokens
     assert_all_blocks_free(spec)
+    # what operators see: EngineStats and the Prometheus families
+    engine_stats = spec.get_stats()
+    assert engine_stats.spec_method == "ngram"
+    assert engine_stats.num_spec_accepted_tokens == stats.num_accepted_tokens
+    assert sum(engine_stats.num_spec_accepted_per_position) == stats.num_accepted_tokens
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in _spec_decode_metrics(engine_stats)
+        for s in family.samples
+    }
+    prefix = "asyncengine_spec_decode_"
+    assert samples[(prefix + "num_drafts_total", None)] == stats.num_drafts
+    assert samples[(prefix + "num_draft_tokens_total", None)] == stats.num_draft_tokens
+    assert samples[(prefix + "num_accepted_tokens_total", None)] == stats.num_accepted_tokens
+    assert samples[(prefix + "num_accepted_tokens_per_pos_total", "0")] > 0
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert samples[(prefix + "acceptance_rate", None)] == pytest.approx(rate)
+    length = 1 + stats.num_accepted_tokens / stats.num_drafts
+    assert samples[(prefix + "mean_accepted_length", None)] == pytest.approx(length)
+    assert plain.get_stats().spec_method is None
 
 
 @pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
@@ -187,3 +208,4 @@ def test_no_block_leaks_after_many_requests_with_random_aborts(model_dir) -> Non
             assert len(bm.block_tables[req.request_id]) <= bm.num_blocks_for(req.num_tokens)
     assert spec_stats(spec).num_accepted_tokens > 0
     assert_all_blocks_free(spec)
+

@@ -34,15 +34,6 @@ class SpecDecodeStats:
     # accepted tokens by position in the draft run: how far acceptance reaches
     num_accepted_per_position: list[int] = field(default_factory=list)
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens a speculating step yields per request on average: accepted drafts + 1."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
 
 class SpecDecodePolicy:
     """Speculation is turned off where it does not pay: in a step with many decoding requests

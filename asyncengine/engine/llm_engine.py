@@ -7,7 +7,7 @@ import gc
 import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncengine.config import EngineArgs, EngineConfig
@@ -68,6 +68,13 @@ class EngineStats:
     num_grammar_compiles_dropped: int = 0  # the caller left before it started
     num_grammar_compile_timeouts: int = 0  # the caller was told it ran past the limit
     num_waiting_prompt_tokens: int = 0  # tokens of waiting requests still to compute
+    # speculative decoding (vLLM's spec_decode counters), when it is on: the proposer, draft
+    # runs, draft tokens, accepted ones, and accepted ones by position in their run
+    spec_method: str | None = None
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 def _no_logprobs(request_id: str) -> None:
@@ -440,7 +447,20 @@ class LLMEngine:
             num_waiting_prompt_tokens=sum(
                 req.num_tokens - req.num_computed_tokens for req in sched.waiting
             ),
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.scheduler.spec is None:
+            return {}
+        stats = self.scheduler.spec.stats
+        return {
+            "spec_method": stats.method,
+            "num_spec_drafts": stats.num_drafts,
+            "num_spec_draft_tokens": stats.num_draft_tokens,
+            "num_spec_accepted_tokens": stats.num_accepted_tokens,
+            "num_spec_accepted_per_position": list(stats.num_accepted_per_position),
+        }
 
 
 def _default_runner(config: EngineConfig) -> ModelRunnerLike:
