@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -101,6 +102,104 @@ class StructuredOutputsConfig:
     max_cache_bytes: int = 256 << 20
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): a proposer guesses up to
+    `num_speculative_tokens` next tokens, the target model checks them all in one forward.
+
+    `ngram` looks the last `prompt_lookup_max` .. `prompt_lookup_min` tokens up in the prompt
+    and output so far and proposes what followed them; `draft_model` runs the small model at
+    `model` (same tokenizer), its KV in the target's blocks. Speculation is skipped in a step
+    with more than `disable_by_batch_size` decoding requests, and for a request whose recent
+    acceptance rate is below `min_acceptance_rate` (it is tried again now and then).
+    """
+
+    method: Literal["ngram", "draft_model"]
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model's resolved directory
+    disable_by_batch_size: int = 8
+    min_acceptance_rate: float = 0.1
+
+    @classmethod
+    def from_user(cls, value: dict[str, Any] | str) -> SpeculativeConfig:
+        """From vLLM's JSON shape (a dict, or its JSON text); errors name the field."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                _require(False, "speculative_config", f"a JSON object ({exc})", value)
+        _require(isinstance(value, dict), "speculative_config", "a JSON object", value)
+        assert isinstance(value, dict)
+        fields = dict(value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        for name in fields.keys() - known:
+            _require(False, f"speculative_config.{name}", f"one of {sorted(known)}", fields[name])
+        _require(
+            "num_speculative_tokens" in fields,
+            "speculative_config.num_speculative_tokens",
+            "given",
+            None,
+        )
+        method = fields.setdefault("method", "draft_model" if "model" in fields else None)
+        _one_of("speculative_config.method", method, SPEC_METHODS)
+        if method == "draft_model":
+            model = fields.get("model")
+            _require(
+                isinstance(model, str),
+                "speculative_config.model",
+                "the draft model's directory for method 'draft_model'",
+                model,
+            )
+            fields["model"] = resolve_model_path(str(model))
+        else:
+            _require(
+                fields.get("model") is None,
+                "speculative_config.model",
+                "unset for method 'ngram' (it needs no model)",
+                fields.get("model"),
+            )
+        config = cls(**fields)
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        k = self.num_speculative_tokens
+        _require(
+            isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+            "speculative_config.num_speculative_tokens",
+            f"an int in [1, {MAX_SPECULATIVE_TOKENS}]",
+            k,
+        )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        _require(
+            isinstance(low, int) and low >= 1, "speculative_config.prompt_lookup_min", ">= 1", low
+        )
+        _require(
+            isinstance(high, int) and high >= low,
+            "speculative_config.prompt_lookup_max",
+            f">= prompt_lookup_min ({low})",
+            high,
+        )
+        _require(
+            isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1,
+            "speculative_config.disable_by_batch_size",
+            ">= 1",
+            self.disable_by_batch_size,
+        )
+        _require(
+            0.0 <= self.min_acceptance_rate <= 1.0,
+            "speculative_config.min_acceptance_rate",
+            "in [0, 1]",
+            self.min_acceptance_rate,
+        )
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA: adapters resident on the device at once, cached in host memory, max rank."""
@@ -121,6 +220,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = ParallelConfig()
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     lora_config: LoRAConfig | None = None  # None: LoRA adapters are off
+    speculative_config: SpeculativeConfig | None = None
 
 
 def _default_model() -> str:
@@ -148,6 +248,10 @@ class EngineArgs:
     - `pipeline_parallel_size`: pipeline parallelism is not supported; anything but 1 is an
       error. (`tensor_parallel_size` N > 1 splits the model over N ranks: asyncengine/distributed.)
     - `quantization`: quantized weights are not supported; anything but None is an error.
+
+    `speculative_config` is vLLM's: a dict or its JSON text, e.g. `{"method": "ngram",
+    "num_speculative_tokens": 5, "prompt_lookup_max": 4}` or `{"model": DRAFT_DIR,
+    "num_speculative_tokens": 4}` (see `SpeculativeConfig`).
     """
 
     model: str = dataclasses.field(default_factory=_default_model)
@@ -193,6 +297,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # None: max_loras
+    speculative_config: dict[str, Any] | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -365,6 +470,7 @@ class EngineArgs:
             distributed_timeout_s=self.distributed_timeout_s,
         )
         _check_tensor_parallel(parallel_config, hf_config, device)
+        speculative = self._speculative_config(hf_config, max_model_len)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -377,7 +483,35 @@ class EngineArgs:
                 max_cache_bytes=self.max_grammar_cache_bytes,
             ),
             lora_config=self._lora_config(),
+            speculative_config=speculative,
         )
+
+    def _speculative_config(self, hf_config: Any, max_model_len: int) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        config = SpeculativeConfig.from_user(self.speculative_config)
+        _require(
+            self.tensor_parallel_size == 1,
+            "tensor_parallel_size",
+            "1 with speculative_config (speculation runs on one rank only)",
+            self.tensor_parallel_size,
+        )
+        if config.model is not None:
+            draft = load_hf_config(config.model)
+            _require(
+                int(draft.vocab_size) == int(hf_config.vocab_size),
+                "speculative_config.model",
+                f"a model with the target's vocabulary ({hf_config.vocab_size} tokens)",
+                f"{config.model} ({draft.vocab_size} tokens)",
+            )
+            limit = getattr(draft, "max_position_embeddings", None)
+            _require(
+                limit is None or limit >= max_model_len,
+                "speculative_config.model",
+                f"a model with max_position_embeddings >= max_model_len ({max_model_len})",
+                f"{config.model} ({limit})",
+            )
+        return config
 
 
 @dataclass

@@ -297,7 +297,7 @@ def test_a_failure_of_one_request_ends_it_alone(model_dir, monkeypatch) -> None:
     engine = make_engine(model_dir("llama"))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     poisoned_bias = SamplingParams(temperature=0, max_tokens=12, logit_bias={7: 1.0})
-    apply_row, on_token = sampler._apply_penalties_and_masks, output_processor.RequestState.on_token
+    apply_row, on_token = sampler.apply_penalties_and_masks, output_processor.RequestState.on_token
 
     def failing_row(logits, req) -> None:
         if req.sampling_params.logit_bias:
@@ -309,7 +309,7 @@ def test_a_failure_of_one_request_ends_it_alone(model_dir, monkeypatch) -> None:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a bug in this request's text")
         on_token(self, req, logprobs, finish)
 
-    monkeypatch.setattr(sampler, "_apply_penalties_and_masks", failing_row)
+    monkeypatch.setattr(sampler, "apply_penalties_and_masks", failing_row)
     monkeypatch.setattr(output_processor.RequestState, "on_token", failing_text)
     expected = LLM(model=str(model_dir("llama")), device="cpu", dtype="float32").generate(
         KOREAN_PROMPTS[0], params, use_tqdm=False

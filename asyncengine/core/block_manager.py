@@ -255,8 +255,10 @@ class BlockSpaceManager:
         seqs: Iterable[Sequence],
         tables: dict[str, list[int]],
         ref_count: Callable[[int], int],
+        num_lookahead: int = 0,
     ) -> int:
-        """Blocks `seqs` take from the pool to write from their first uncomputed slot on.
+        """Blocks `seqs` take from the pool to write from their first uncomputed slot on
+        (through `num_lookahead` slots past their last token: speculative drafts).
 
         One per missing logical block, and a private copy of each shared block written to,
         except for its last writer, who holds it alone by then (`ref_count`: holders now).
@@ -266,7 +268,8 @@ class BlockSpaceManager:
         shared_writes: dict[int, int] = {}  # shared block -> how many of `seqs` write into it
         for seq in seqs:
             table = tables[seq.request_id]
-            num_new += max(0, self.num_blocks_for(seq.num_tokens) - len(table))
+            num_needed = self.num_blocks_for(seq.num_tokens + num_lookahead)
+            num_new += max(0, num_needed - len(table))
             # (never RELEASED: a window only releases blocks before the first written slot)
             for block in table[seq.num_computed_tokens // self.block_size :]:
                 if ref_count(block) > 1:
@@ -275,16 +278,16 @@ class BlockSpaceManager:
             num_new += min(num_writers, ref_count(block) - 1)
         return num_new
 
-    def can_append_slot(self, *seqs: Sequence) -> bool:
-        """Whether the tables of `seqs` can all grow at once to cover their tokens.
+    def can_append_slot(self, *seqs: Sequence, num_lookahead: int = 0) -> bool:
+        """Whether the tables of `seqs` can all grow at once to cover their tokens, and
+        `num_lookahead` slots more each (for speculative drafts).
 
         Writing starts at each one's first uncomputed slot; a shared block there needs a
         private copy first (copy-on-write).
         """
         ref_count = self.gpu_pool.ref_counts.__getitem__
-        return self._num_blocks_to_grow(seqs, self.block_tables, ref_count) <= (
-            self.gpu_pool.num_free
-        )
+        num_needed = self._num_blocks_to_grow(seqs, self.block_tables, ref_count, num_lookahead)
+        return num_needed <= self.gpu_pool.num_free
 
     def append_decode_slot(self, seq: Sequence) -> list[tuple[int, int]] | None:
         """`can_append_slot` and `append_slot` at once for a sequence with one token to
@@ -309,8 +312,9 @@ class BlockSpaceManager:
         pool.decref(block)
         return [(block, table[index])]
 
-    def append_slot(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Grow the table to cover every token; return copy-on-write (src, dst) pairs."""
+    def append_slot(self, seq: Sequence, num_lookahead: int = 0) -> list[tuple[int, int]]:
+        """Grow the table to cover every token and `num_lookahead` slots more (speculative
+        drafts, given back by `trim` once checked); return copy-on-write (src, dst) pairs."""
         start = seq.num_computed_tokens
         table = self.block_tables[seq.request_id]
         if self.sliding_window is not None:
@@ -322,9 +326,20 @@ class BlockSpaceManager:
                 table[i] = self.gpu_pool.allocate()
                 self.gpu_pool.decref(block)
                 copies.append((block, table[i]))
-        while len(table) < self.num_blocks_for(seq.num_tokens):
+        while len(table) < self.num_blocks_for(seq.num_tokens + num_lookahead):
             table.append(self.gpu_pool.allocate())
         return copies
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the blocks past `seq`'s last token: the rejected drafts' lookahead slots.
+
+        They were allocated for this sequence alone and never indexed (the prefix cache only
+        hashes computed blocks of accepted tokens), so they go back to the pool as they are.
+        """
+        table = self.block_tables[seq.request_id]
+        num_needed = self.num_blocks_for(seq.num_tokens)
+        while len(table) > num_needed:
+            self.gpu_pool.decref(table.pop())
 
     def _first_visible_block(self, first_query_pos: int) -> int:
         """The first logical block a query from `first_query_pos` on can see."""

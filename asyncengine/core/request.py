@@ -131,6 +131,10 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        # speculative decoding: the recent share of drafts accepted (a moving average), and
+        # decode steps since speculation was last tried while that share was too low
+        self.spec_acceptance = 1.0
+        self.num_steps_without_spec = 0
 
     @property
     def num_tokens(self) -> int:

@@ -9,9 +9,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from asyncengine.config import SchedulerConfig
+from asyncengine.config import SchedulerConfig, SpeculativeConfig
 from asyncengine.core.block_manager import AllocStatus, BlockSpaceManager
 from asyncengine.core.request import FinishReason, Request, RequestStatus
+from asyncengine.core.spec_decode import SpecDecodePolicy, SpecResult
 
 
 @dataclass
@@ -20,6 +21,8 @@ class SchedulerOutput:
 
     `scheduled` is in batch order; the worker computes tokens
     `[req.num_computed_tokens, req.num_computed_tokens + num_scheduled_tokens[id])` of each.
+    A decode in `num_spec_tokens` also has that many slots (and budget tokens) for drafts
+    the proposer may put after its token, for the target to check in the same forward.
     """
 
     scheduled: list[Request] = field(default_factory=list)
@@ -34,6 +37,7 @@ class SchedulerOutput:
     # by slot) to copy into their slots before the forward; set by the engine after planning
     lora_slots: dict[int, int] = field(default_factory=dict)
     lora_loads: dict[int, Any] = field(default_factory=dict)
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)  # draft slots per request
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -79,6 +83,7 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockSpaceManager,
         loras: LoRAAdmission | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -97,6 +102,11 @@ class Scheduler:
         if block_manager.sliding_window is None:
             capacity = block_manager.num_gpu_blocks * block_manager.block_size
             self.max_seq_len = min(self.max_seq_len, capacity)
+        self.spec = (
+            None
+            if speculative_config is None
+            else SpecDecodePolicy(speculative_config, self.max_seq_len)
+        )
 
     # -- requests in and out -----------------------------------------------------------------
 
@@ -142,7 +152,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        self._schedule_running(out, budget)
+        spec = self.spec
+        if spec is not None and not spec.is_on_for(sum(map(_is_decode, self.running))):
+            spec = None
+        self._schedule_running(out, budget, spec)
         if not out.preempted:
             self._schedule_swapped(out, budget)
         # swapped requests are older than any new one: let them back in first
@@ -154,10 +167,18 @@ class Scheduler:
                 req.first_scheduled_time = now
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> None:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: _Budget, spec: SpecDecodePolicy | None
+    ) -> None:
         queue = deque(self.running)
         while queue and budget.has_room:
             req = queue[0]
+            if spec is not None and _is_lone_decode(req, queue):
+                num_spec = spec.num_spec_tokens(req, budget.num_tokens - len(queue))
+                if num_spec and self.block_manager.can_append_slot(req, num_lookahead=num_spec):
+                    queue.popleft()
+                    self._add_decode(out, budget, req, num_spec)
+                    continue
             if _is_lone_decode(req, queue):  # most of every step: one token, one sample
                 copies = self.block_manager.append_decode_slot(req)
                 if copies is not None:
@@ -169,6 +190,7 @@ class Scheduler:
                     continue
             # the samples of one request grow together or are preempted together
             group = _pop_group(queue, 0)
+            group_spec = self._group_spec_tokens(group, budget, len(queue), spec)
             while not self.block_manager.can_append_slot(*group):
                 victims = _pop_group(queue, -1) if queue else group
                 self._preempt(victims, out)
@@ -180,11 +202,43 @@ class Scheduler:
                 reserve = len(queue) + len(group)
                 for req in group:
                     reserve -= 1
+                    if group_spec.get(req.request_id):
+                        self._add_decode(out, budget, req, group_spec[req.request_id])
+                        continue
                     num_tokens = budget.take(req, reserve)
                     if num_tokens == 0:
                         continue
                     out.blocks_to_copy += self.block_manager.append_slot(req)
                     out.add(req, num_tokens, self.block_manager.get_block_table(req))
+
+    def _add_decode(
+        self, out: SchedulerOutput, budget: _Budget, req: Request, num_spec: int
+    ) -> None:
+        """Schedule `req`'s one token with `num_spec` draft slots after it (room checked)."""
+        out.blocks_to_copy += self.block_manager.append_slot(req, num_lookahead=num_spec)
+        budget.num_tokens -= 1 + num_spec
+        budget.num_seqs -= 1
+        out.add(req, 1, self.block_manager.get_block_table(req))
+        out.num_spec_tokens[req.request_id] = num_spec
+
+    def _group_spec_tokens(
+        self, group: list[Request], budget: _Budget, num_later: int, spec: SpecDecodePolicy | None
+    ) -> dict[str, int]:
+        """Draft slots for each decoding sample of `group` (n > 1), if they all fit now."""
+        if spec is None:
+            return {}
+        num_left = budget.num_tokens - num_later - len(group)
+        num_spec = {}
+        for req in group:
+            if _is_decode(req) and num_left > 0:
+                num_spec[req.request_id] = k = spec.num_spec_tokens(req, num_left)
+                num_left -= k
+        lookahead = max(num_spec.values(), default=0)
+        if not lookahead or budget.num_seqs < len(group):
+            return {}
+        if not self.block_manager.can_append_slot(*group, num_lookahead=lookahead):
+            return {}
+        return num_spec
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: _Budget) -> None:
         active = self.running_loras()
@@ -335,10 +389,16 @@ class Scheduler:
     # -- after the forward -------------------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: dict[str, int],
+        spec_results: dict[str, SpecResult] | None = None,
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish stopped requests.
 
+        A request in `spec_results` first takes its accepted drafts (their K/V was computed
+        in this forward), each checked for stops like a sampled token; its draft slots past
+        the new last token are given back.
         Returns the requests that got a new token (finished ones included), in batch order.
         """
         updated = []
@@ -347,6 +407,10 @@ class Scheduler:
         mark_computed = self.block_manager.mark_computed
         for req in out.scheduled:
             if req.is_finished:  # aborted while the step ran
+                continue
+            if req.request_id in out.num_spec_tokens:
+                self._update_speculated(req, sampled_token_ids, spec_results or {}, now)
+                updated.append(req)
                 continue
             req.num_computed_tokens += num_scheduled_tokens[req.request_id]
             mark_computed(req, req.num_computed_tokens)
@@ -363,6 +427,34 @@ class Scheduler:
                 self.finish_request(req, reason)
             updated.append(req)
         return updated
+
+    def _update_speculated(
+        self,
+        req: Request,
+        sampled_token_ids: dict[str, int],
+        spec_results: dict[str, SpecResult],
+        now: float,
+    ) -> None:
+        """A decode with draft slots: its token, accepted drafts and the token after them."""
+        result = spec_results.get(req.request_id)
+        accepted = result.accepted_token_ids if result is not None else []
+        if result is not None and self.spec is not None:
+            self.spec.observe(req, result)
+        req.num_computed_tokens += 1 + len(accepted)
+        # only tokens already in the sequence are hashed; the accepted ones are next step
+        self.block_manager.mark_computed(req, min(req.num_computed_tokens, req.num_tokens))
+        if req.first_token_time is None:
+            req.first_token_time = now
+        sampled = sampled_token_ids.get(req.request_id)
+        if sampled is None:  # its sampling failed: the engine has ended it
+            return
+        for token_id in (*accepted, sampled):
+            req.append_token(token_id)
+            reason = self._check_stop(req, token_id)
+            if reason is not None:
+                self.finish_request(req, reason)
+                return
+        self.block_manager.trim(req)
 
     def _check_stop(self, req: Request, token_id: int) -> FinishReason | None:
         params = req.sampling_params
@@ -381,6 +473,10 @@ class Scheduler:
         if num_tokens >= self.max_seq_len:
             return FinishReason.CACHE_LIMIT
         return None
+
+
+def _is_decode(req: Request) -> bool:
+    return req.num_computed_tokens + 1 == len(req.token_ids)
 
 
 def _head_group(queue: list[Request]) -> list[Request]:

@@ -264,7 +264,8 @@ def step_stats(
         schedule_s=schedule_s,
         execute_s=execute_s,
         update_s=time.perf_counter() - executed,
-        num_generated_tokens=len(result.sampled_token_ids),
+        num_generated_tokens=len(result.sampled_token_ids)
+        + sum(len(r.accepted_token_ids) for r in result.spec_results.values()),
         num_blocks_swapped_out=len(plan.blocks_to_swap_out),
         num_blocks_swapped_in=len(plan.blocks_to_swap_in),
     )

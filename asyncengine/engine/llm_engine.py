@@ -6,7 +6,7 @@ import atexit
 import gc
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -30,7 +30,7 @@ from asyncengine.errors import (
 from asyncengine.logging import get_logger
 from asyncengine.lora.registry import LoRARegistry
 from asyncengine.lora.request import LoRARequest
-from asyncengine.outputs import RequestOutput
+from asyncengine.outputs import RawLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
@@ -84,10 +84,29 @@ class EngineStats:
     num_lora_evictions: int = 0
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
+    # speculative decoding (vLLM's spec_decode counters), when it is on: the proposer, draft
+    # runs, draft tokens, accepted ones, and accepted ones by position in their run
+    spec_method: str | None = None
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_accepted_per_position: list[int] = field(default_factory=list)
 
 
 def _no_logprobs(request_id: str) -> None:
     return None
+
+
+def _logprobs_of(result: ModelRunnerOutput) -> Callable[[str], list[RawLogprobs] | None]:
+    """A request's logprobs this step, one per new token (accepted drafts first)."""
+
+    def of(request_id: str) -> list[RawLogprobs] | None:
+        last = result.logprobs.get(request_id)
+        if last is None:
+            return None
+        return [*result.spec_logprobs.get(request_id, ()), last]
+
+    return of
 
 
 def freeze_heap() -> None:
@@ -138,7 +157,9 @@ class LLMEngine:
         self.loras = None if config.lora_config is None else LoRARegistry(
             config.lora_config, model_config.hf_config, _torch_dtype(model_config.dtype)
         )  # fmt: skip
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager, self.loras)
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.block_manager, self.loras, config.speculative_config
+        )
         grammar_config = config.structured_outputs_config
         self.structured = StructuredOutputManager(
             self.tokenizer, self.vocab_size, self.eos_token_ids, grammar_config.max_cache_bytes
@@ -408,8 +429,11 @@ class LLMEngine:
             self._take_failures_and_prompt_logprobs(plan, result, changed)
         structured, finish = self.structured, self.scheduler.finish_request
         any_constrained = structured.has_requests
-        logprobs_of = result.logprobs.get if result.logprobs else _no_logprobs
-        for req in self.scheduler.update_from_output(plan, result.sampled_token_ids):
+        logprobs_of = _logprobs_of(result) if result.logprobs else _no_logprobs
+        updated = self.scheduler.update_from_output(
+            plan, result.sampled_token_ids, result.spec_results
+        )
+        for req in updated:
             state = self._groups[req.group_id]
             changed[req.group_id] = state
             if any_constrained:
@@ -506,6 +530,7 @@ class LLMEngine:
                 req.num_tokens - req.num_computed_tokens for req in sched.waiting
             ),
             **self._lora_stats(),
+            **self._spec_stats(),
         )
 
     def _lora_stats(self) -> dict[str, Any]:
@@ -521,6 +546,18 @@ class LLMEngine:
             "num_lora_evictions": loras.num_evictions,
             "lora_running": _count_by_name(sched.running, names),
             "lora_waiting": _count_by_name([*sched.waiting, *sched.swapped], names),
+        }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.scheduler.spec is None:
+            return {}
+        stats = self.scheduler.spec.stats
+        return {
+            "spec_method": stats.method,
+            "num_spec_drafts": stats.num_drafts,
+            "num_spec_draft_tokens": stats.num_draft_tokens,
+            "num_spec_accepted_tokens": stats.num_accepted_tokens,
+            "num_spec_accepted_per_position": list(stats.num_accepted_per_position),
         }
 
 

@@ -52,6 +52,7 @@ class _Sample:
     text: str = ""
     logprobs: list[Logprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # of the sampled tokens, when logprobs are asked for
+    num_seen_tokens: int = 0  # of the sequence's tokens, those detokenized and stop-checked
     # what DELTA outputs have carried so far
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
@@ -94,7 +95,9 @@ class RequestState:
     def add_sample(self, req: Request) -> None:
         skip = req.sampling_params.skip_special_tokens
         detokenizer = self.new_detokenizer(req.prompt_token_ids, skip)
-        self.samples[req.sample_index] = _Sample(req, detokenizer)
+        self.samples[req.sample_index] = _Sample(
+            req, detokenizer, num_seen_tokens=req.num_prompt_tokens
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -108,26 +111,42 @@ class RequestState:
             return self.samples[0].req.is_finished
         return all(sample.req.is_finished for sample in self.samples.values())
 
-    def on_token(self, req: Request, logprobs: RawLogprobs | None, finish: FinishRequest) -> None:
-        """Take a sample's new token: detokenize it and end the sample on a stop string."""
+    def on_token(
+        self, req: Request, logprobs: list[RawLogprobs] | None, finish: FinishRequest
+    ) -> None:
+        """Take a sample's new tokens (one, or a run of accepted speculative drafts and the
+        token after them; `logprobs` one entry each, when asked for): detokenize each and end
+        the sample on a stop string, at the token that completed it (later ones are dropped)."""
         sample = self.samples.get(req.sample_index)
         if sample is None:  # a forked sample's first token
             self.add_sample(req)
             sample = self.samples[req.sample_index]
-        if logprobs is not None:
-            sample.logprobs.append(self.token_texts.logprobs(logprobs))
-            sample.cumulative_logprob += logprobs.logprobs[logprobs.token_id]
-        delta = sample.detokenizer.decode_next(req.token_ids, req.is_finished)
+        first = sample.num_seen_tokens
+        for i in range(req.num_tokens - first):
+            if logprobs is not None:
+                sample.logprobs.append(self.token_texts.logprobs(logprobs[i]))
+                sample.cumulative_logprob += logprobs[i].logprobs[logprobs[i].token_id]
+            if self._take_token(sample, req, first + i + 1, finish):
+                del req.token_ids[first + i + 1 :]
+                break
+        sample.num_seen_tokens = req.num_tokens
+
+    @staticmethod
+    def _take_token(sample: _Sample, req: Request, end: int, finish: FinishRequest) -> bool:
+        """Detokenize `req`'s tokens up to `end`; whether a stop string ended the sample."""
+        is_last = end == req.num_tokens
+        token_ids = req.token_ids if is_last else req.token_ids[:end]
+        delta = sample.detokenizer.decode_next(token_ids, req.is_finished and is_last)
         if delta:
             sample.text += delta
         params = req.sampling_params
-        if not params.stop or req.num_output_tokens < params.min_tokens:
-            return
+        if not params.stop or end - req.num_prompt_tokens < params.min_tokens:
+            return False
         longest = max(len(s) for s in params.stop)
         start = max(0, len(sample.text) - len(delta) - longest + 1)
         hits = [(i, s) for s in params.stop if (i := sample.text.find(s, start)) != -1]
         if not hits:
-            return
+            return False
         index, stop = min(hits)
         sample.text = sample.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
         req.stop_reason = stop
@@ -136,6 +155,7 @@ class RequestState:
             req.status = req.finish_reason.status
         else:
             finish(req, FinishReason.STOP_STRING)
+        return True
 
     def on_prompt_logprobs(self, first_index: int, entries: list[RawLogprobs]) -> None:
         """Scores of prompt tokens from `first_index` on; a recomputed prefill scores again

@@ -83,6 +83,16 @@ LORA = FlagGroup(
         "read again, off the step, when needed) (default: --max-loras)",
     },
 )
+SPECULATIVE = FlagGroup(
+    "engine: speculative decoding",
+    "A proposer guesses the next tokens; the model checks them all in one forward.",
+    {
+        "speculative_config": "vLLM's JSON object: method ngram with num_speculative_tokens, "
+        "prompt_lookup_max and prompt_lookup_min, or model DRAFT_DIR with num_speculative_tokens "
+        "(a draft model); also disable_by_batch_size (default 8) and min_acceptance_rate "
+        "(default 0.1) (default: no speculation)",
+    },
+)
 PARALLELISM = FlagGroup(
     "parallelism",
     "Tensor parallelism over torch.distributed (NCCL on CUDA, gloo on CPU), on one node or "
@@ -116,7 +126,7 @@ COMPATIBILITY = FlagGroup(
         "quantization": "refused when given: quantized weights are not supported (default: none)",
     },
 )
-ENGINE_GROUPS = [MODEL, CACHE, STRUCTURED, LORA, PARALLELISM, COMPATIBILITY]
+ENGINE_GROUPS = [MODEL, CACHE, STRUCTURED, LORA, SPECULATIVE, PARALLELISM, COMPATIBILITY]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:

@@ -106,6 +106,45 @@ class _EngineCollector(Collector):
             value=stats.num_prefix_cache_hits,
         )
         yield from _grammar_metrics(stats)
+        if stats.spec_method is not None:
+            yield from _spec_decode_metrics(stats)
+
+
+def _spec_decode_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding's counters (vLLM's spec_decode names), by proposer."""
+    labels, method = ["method"], [stats.spec_method or ""]
+    for name, text, value in (
+        ("num_drafts", "Draft runs proposed and checked (one per request per step)",
+         stats.num_spec_drafts),
+        ("num_draft_tokens", "Draft tokens proposed", stats.num_spec_draft_tokens),
+        ("num_accepted_tokens", "Draft tokens accepted", stats.num_spec_accepted_tokens),
+    ):  # fmt: skip
+        counter = CounterMetricFamily(P + "spec_decode_" + name, text, labels=labels)
+        counter.add_metric(method, value)
+        yield counter
+    per_position = CounterMetricFamily(
+        P + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in their draft run",
+        labels=[*labels, "position"],
+    )
+    for position, value in enumerate(stats.num_spec_accepted_per_position):
+        per_position.add_metric([*method, str(position)], value)
+    yield per_position
+    drafts, tokens = stats.num_spec_drafts, stats.num_spec_draft_tokens
+    rate = GaugeMetricFamily(
+        P + "spec_decode_acceptance_rate",
+        "Accepted / proposed draft tokens since start",
+        labels=labels,
+    )
+    rate.add_metric(method, stats.num_spec_accepted_tokens / tokens if tokens else 0.0)
+    yield rate
+    length = GaugeMetricFamily(
+        P + "spec_decode_mean_accepted_length",
+        "Tokens a speculating request gets per step (accepted drafts + 1) since start",
+        labels=labels,
+    )
+    length.add_metric(method, 1 + stats.num_spec_accepted_tokens / drafts if drafts else 0.0)
+    yield length
 
 
 def _grammar_metrics(stats: EngineStats) -> Iterator[Metric]:

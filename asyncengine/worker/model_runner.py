@@ -10,6 +10,7 @@ import torch
 from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.scheduler import SchedulerOutput
+from asyncengine.core.spec_decode import SpecResult
 from asyncengine.distributed.parallel_state import TensorParallelGroup
 from asyncengine.logging import get_logger
 from asyncengine.lora.layers import LoRABatch, LoRAStacks, lora_segments
@@ -21,6 +22,8 @@ from asyncengine.worker.attention import set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
 from asyncengine.worker.cpu_linear import pack_linear_layers
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
+from asyncengine.worker.proposers import NgramProposer, Proposer
+from asyncengine.worker.rejection_sampler import verify
 from asyncengine.worker.sampler import FillGrammarMasks, Sampler, prompt_logprobs
 
 # prompt positions scored at once: bounds the [rows, vocab] logits of a long prompt
@@ -39,6 +42,11 @@ class ModelRunnerOutput:
     failures: dict[str, str] = field(default_factory=dict)
     # request id -> (index of the first prompt token scored, one entry per token from there)
     prompt_logprobs: dict[str, tuple[int, list[RawLogprobs]]] = field(default_factory=dict)
+    # speculative decoding: requests whose drafts were checked (the token sampled after the
+    # accepted ones is in `sampled_token_ids`, its logprobs in `logprobs`), and the logprobs
+    # of their accepted drafts
+    spec_results: dict[str, SpecResult] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[RawLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,6 +60,15 @@ class _PromptRows:
 
 
 @dataclass
+class _SpecRows:
+    """One request's rows of a speculative decode: its last token, then its drafts."""
+
+    req: Request
+    first_row: int
+    drafts: list[int]
+
+
+@dataclass
 class _BatchInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -60,6 +77,7 @@ class _BatchInputs:
     logits_indices: torch.Tensor
     prompt_rows: list[_PromptRows] = field(default_factory=list)
     lora: LoRABatch | None = None
+    spec_rows: list[_SpecRows] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -90,6 +108,9 @@ class ModelRunner:
         self.num_layers = len(model.model.layers)
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.sampler = Sampler(self.device, config.model_config.seed)
+        self.proposer: Proposer | None = None
+        if config.speculative_config is not None:
+            self.proposer = NgramProposer(config.speculative_config)
         self.cache_engine: CacheEngine | None = None
         lora = config.lora_config
         self.lora_stacks = None if lora is None else LoRAStacks(
@@ -292,7 +313,7 @@ class ModelRunner:
         self.load_loras(plan.lora_loads)
         if not plan.scheduled:
             return ModelRunnerOutput()
-        batch = self._prepare_inputs(plan)
+        batch = self._prepare_inputs(plan, self._propose(plan))
         with set_forward_context(batch.attn_metadata, self.cache_engine.gpu_cache, batch.lora):
             hidden = self.model(batch.input_ids, batch.positions)
         output = ModelRunnerOutput()
@@ -301,6 +322,8 @@ class ModelRunner:
                 output.prompt_logprobs[rows.req.request_id] = self._score_prompt(hidden, rows)
             except Exception as exc:  # this request's failure only
                 output.failures[rows.req.request_id] = repr(exc)
+        if batch.spec_rows:
+            self._verify(hidden, batch.spec_rows, output)
         if not batch.sampling_reqs:
             return output
         masks = None if fill_grammar_masks is None else fill_grammar_masks(batch.sampling_reqs)
@@ -309,12 +332,12 @@ class ModelRunner:
         ids = [r.request_id for r in batch.sampling_reqs]
         output.failures.update({ids[row]: repr(exc) for row, exc in sampled.failures.items()})
         failures = output.failures
-        output.sampled_token_ids = {
-            i: t for i, t in zip(ids, sampled.token_ids) if i not in failures
-        }
-        output.logprobs = {
-            i: lp for i, lp in zip(ids, sampled.logprobs) if lp is not None and i not in failures
-        }
+        output.sampled_token_ids.update(
+            (i, t) for i, t in zip(ids, sampled.token_ids) if i not in failures
+        )
+        output.logprobs.update(
+            (i, lp) for i, lp in zip(ids, sampled.logprobs) if lp is not None and i not in failures
+        )
         return output
 
     def load_loras(self, loads: dict[int, Any]) -> None:
@@ -322,6 +345,40 @@ class ModelRunner:
         for slot, weights in loads.items():
             assert self.lora_stacks is not None, "an adapter to load, and LoRA is off"
             self.lora_stacks.load(slot, weights)
+
+    def _propose(self, plan: SchedulerOutput) -> dict[str, list[int]]:
+        """Drafts of the requests with draft slots this step (none proposed are left out)."""
+        if self.proposer is None or not plan.num_spec_tokens:
+            return {}
+        reqs = [r for r in plan.scheduled if r.request_id in plan.num_spec_tokens]
+        drafts = self.proposer.propose(reqs, [plan.num_spec_tokens[r.request_id] for r in reqs])
+        return {r.request_id: d for r, d in zip(reqs, drafts) if d}
+
+    def _verify(
+        self, hidden: torch.Tensor, spec_rows: list[_SpecRows], output: ModelRunnerOutput
+    ) -> None:
+        """Check each speculating request's drafts against the target's rows."""
+        rows = [r.first_row + i for r in spec_rows for i in range(len(r.drafts) + 1)]
+        logits = self.model.compute_logits(hidden[rows])
+        first = 0
+        for spec in spec_rows:
+            request_id, num_rows = spec.req.request_id, len(spec.drafts) + 1
+            try:
+                verified = verify(
+                    self.sampler, logits[first : first + num_rows], spec.req, spec.drafts
+                )
+            except Exception as exc:  # this request's failure only
+                output.failures[request_id] = repr(exc)
+                continue
+            finally:
+                first += num_rows
+            output.sampled_token_ids[request_id] = verified.token_ids[-1]
+            output.spec_results[request_id] = SpecResult(
+                len(spec.drafts), verified.accepted_token_ids
+            )
+            if verified.logprobs is not None:
+                output.logprobs[request_id] = verified.logprobs[-1]
+                output.spec_logprobs[request_id] = verified.logprobs[:-1]
 
     def _score_prompt(
         self, hidden: torch.Tensor, rows: _PromptRows
@@ -341,10 +398,16 @@ class ModelRunner:
             entries += prompt_logprobs(logits, target_ids, num_top)
         return first_target, entries
 
-    def _prepare_inputs(self, plan: SchedulerOutput) -> _BatchInputs:
+    def _prepare_inputs(
+        self, plan: SchedulerOutput, drafts: dict[str, list[int]] | None = None
+    ) -> _BatchInputs:
+        """`drafts`: speculative tokens to put after some requests' one token, all checked."""
+        drafts = drafts or {}
+        num_new = plan.num_scheduled_tokens
+        if drafts:
+            num_new = {i: n + len(drafts.get(i, ())) for i, n in num_new.items()}
         # one-token sequences first, so attention can treat them as one padded batch; then
         # by adapter, so each adapter's rows are one segment among the decodes and one after
-        num_new = plan.num_scheduled_tokens
         reqs = sorted(plan.scheduled, key=lambda r: (num_new[r.request_id] != 1, r.lora_int_id))
         bs = self.block_size
         input_ids: list[int] = []
@@ -354,17 +417,22 @@ class ModelRunner:
         context_lens, seq_lens, tables = [], [], []
         sampling_reqs, logits_indices = [], []
         prompt_rows = []
+        spec_rows = []
         for req in reqs:
             start, n = req.num_computed_tokens, num_new[req.request_id]
             table = plan.block_tables[req.request_id]
+            req_drafts = drafts.get(req.request_id)
             input_ids += req.token_ids[start : start + n]
+            if req_drafts:
+                input_ids += req_drafts
+                spec_rows.append(_SpecRows(req, query_start_loc[-1], req_drafts))
             positions += range(start, start + n)
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             query_start_loc.append(query_start_loc[-1] + n)
             context_lens.append(start)
             seq_lens.append(start + n)
             tables.append(table)
-            if start + n == req.num_tokens:
+            if not req_drafts and start + n == req.num_tokens:
                 sampling_reqs.append(req)
                 logits_indices.append(query_start_loc[-1] - 1)
             # a position scores the prompt token after it; forked samples leave it to sample 0
@@ -397,13 +465,17 @@ class ModelRunner:
             sampling_reqs=sampling_reqs,
             logits_indices=tensor(logits_indices, torch.long),
             prompt_rows=prompt_rows,
-            lora=self._lora_batch(plan, reqs),
+            lora=self._lora_batch(plan, reqs, num_new),
+            spec_rows=spec_rows,
         )
 
-    def _lora_batch(self, plan: SchedulerOutput, reqs: list[Request]) -> LoRABatch | None:
+    def _lora_batch(
+        self, plan: SchedulerOutput, reqs: list[Request], num_new: dict[str, int]
+    ) -> LoRABatch | None:
+        """Each row's adapter slot; `num_new` counts a request's rows, its drafts included."""
         if self.lora_stacks is None or not plan.lora_slots:
             return None
-        num_new, slots = plan.num_scheduled_tokens, plan.lora_slots
+        slots = plan.lora_slots
         row_slots = []
         for req in reqs:
             row_slots += [slots.get(req.lora_int_id, -1)] * num_new[req.request_id]

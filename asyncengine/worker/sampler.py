@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from asyncengine.core.request import Request
 from asyncengine.outputs import RawLogprobs
+from asyncengine.sampling_params import SamplingParams
 
 _SEED_STRIDE = 1_000_003
 
@@ -30,6 +32,21 @@ class GrammarMasks:
     rows: list[int]  # the rows to mask (the others are unconstrained, or allow every token)
     # row -> what failed in that row's grammar (its token is not to be used)
     failures: dict[int, BaseException] = field(default_factory=dict)
+
+
+class SampledSeq(Protocol):
+    """What a row's processing reads of its sequence: a `Request`, or one seen a few tokens
+    ahead (speculative verification)."""
+
+    sampling_params: SamplingParams
+    token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def output_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_output_tokens(self) -> int: ...
 
 
 # given a step's sampling rows, the grammar masks of the constrained ones (None: there are none)
@@ -61,7 +78,7 @@ class Sampler:
         failures = dict(grammar_masks.failures) if grammar_masks is not None else {}
         for i, req in enumerate(reqs):
             try:
-                _apply_penalties_and_masks(logits[i], req)
+                apply_penalties_and_masks(logits[i], req)
             except Exception as exc:  # reported per request
                 failures[i] = exc
         if all(r.sampling_params.is_greedy for r in reqs):
@@ -74,37 +91,28 @@ class Sampler:
                 except Exception as exc:
                     failures.setdefault(i, exc)
                     token_ids.append(0)
-        logprobs = self._logprobs(raw_logprobs, token_ids, reqs)
+        logprobs = self.logprobs_of(raw_logprobs, token_ids, reqs)
         return SamplerOutput(token_ids, logprobs, failures)
 
     def _sample_one(self, logits: torch.Tensor, req: Request) -> int:
         params = req.sampling_params
         if params.is_greedy:
             return int(logits.argmax())
-        logits = logits / params.temperature
-        if params.top_k > 0 and params.top_k < logits.numel():
-            kth = torch.topk(logits, params.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, -float("inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            # drop a token when the mass before it already reaches top_p (keeps at least one)
-            drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-        if params.min_p > 0.0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        generator = self.generator
-        if params.seed is not None:
-            seed = (params.seed * _SEED_STRIDE + req.num_output_tokens) % (1 << 63)
-            generator = torch.Generator(self.device).manual_seed(seed)
-        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p (and ignores zeros)
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / noise).argmax())
+        return draw(probs_of(logits, params), self.generator_for(req))
+
+    def generator_for(self, seq: SampledSeq) -> torch.Generator:
+        """A seeded request's generator for its next output position; else the engine's."""
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return self.generator
+        seed = (seed * _SEED_STRIDE + seq.num_output_tokens) % (1 << 63)
+        return torch.Generator(self.device).manual_seed(seed)
 
     @staticmethod
-    def _logprobs(
+    def logprobs_of(
         logprobs: torch.Tensor | None, token_ids: list[int], reqs: list[Request]
     ) -> list[RawLogprobs | None]:
+        """Row i's entry for `token_ids[i]` (None where `reqs[i]` asked for no logprobs)."""
         if logprobs is None:
             return [None] * len(reqs)
         result: list[RawLogprobs | None] = []
@@ -122,6 +130,30 @@ class Sampler:
                 entry.update((t, v) for t, v in pairs if v != -math.inf)
             result.append(RawLogprobs(token_id, int((row > chosen).sum()) + 1, entry))
         return result
+
+
+def probs_of(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy row samples from: temperature, top-k, top-p, min-p."""
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token when the mass before it already reaches top_p (keeps at least one)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from `probs` (which need not sum to 1)."""
+    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p (and ignores zeros)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / noise).argmax())
 
 
 def prompt_logprobs(
@@ -153,7 +185,7 @@ def _apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=masks.rows)
 
 
-def _apply_penalties_and_masks(logits: torch.Tensor, req: Request) -> None:
+def apply_penalties_and_masks(logits: torch.Tensor, req: SampledSeq) -> None:
     """One request's row, in place: penalties, logit bias, and the min_tokens ban on stops."""
     params = req.sampling_params
     if params.has_penalties:
@@ -173,7 +205,7 @@ def _apply_penalties_and_masks(logits: torch.Tensor, req: Request) -> None:
             logits[banned] = kept
 
 
-def _apply_penalties(logits: torch.Tensor, req: Request) -> None:
+def _apply_penalties(logits: torch.Tensor, req: SampledSeq) -> None:
     params = req.sampling_params
     device = logits.device
     if params.repetition_penalty != 1.0:

@@ -32,6 +32,7 @@ GROUPS = {
     "engine: structured outputs": "--grammar-compile-threads --max-grammar-compile-s "
     "--max-grammar-cache-bytes",
     "engine: LoRA adapters": "--enable-lora --max-loras --max-lora-rank --max-cpu-loras",
+    "engine: speculative decoding": "--speculative-config",
     "parallelism": "--tensor-parallel-size --num-nodes --distributed-init-method "
     "--distributed-timeout-s --pipeline-parallel-size",
     "vLLM compatibility": "--trust-remote-code --enforce-eager --disable-log-stats "

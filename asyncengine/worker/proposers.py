@@ -1,0 +1,55 @@
+"""Draft proposers for speculative decoding, behind one small interface.
+
+A proposer guesses the next tokens of the requests that have draft slots this step; the
+model runner then checks them in the target's forward (worker/rejection_sampler.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from asyncengine.config import SpeculativeConfig
+from asyncengine.core.request import Request
+
+
+class Proposer(Protocol):
+    """Drafts for each request: at most its number of draft slots, possibly none."""
+
+    method: str
+
+    def propose(self, reqs: list[Request], num_spec_tokens: list[int]) -> list[list[int]]: ...
+
+
+class NgramProposer:
+    """Prompt lookup: find the last n tokens earlier in the prompt and output so far (n from
+    `prompt_lookup_max` down to `prompt_lookup_min`, the latest occurrence) and propose the
+    tokens that followed them there. No model, a few vector compares per request."""
+
+    method = "ngram"
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, reqs: list[Request], num_spec_tokens: list[int]) -> list[list[int]]:
+        return [
+            ngram_lookup(np.asarray(req.token_ids), k, self.min_n, self.max_n)
+            for req, k in zip(reqs, num_spec_tokens)
+        ]
+
+
+def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of `tokens`' longest
+    suffix of `min_n`..`max_n` tokens; [] when none occurs."""
+    num_tokens = len(tokens)
+    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
+        # windows ending before the last token: each has a token after it
+        windows = sliding_window_view(tokens[: num_tokens - 1], n)
+        hits = np.flatnonzero((windows == tokens[num_tokens - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
