@@ -40,9 +40,12 @@ class Canary:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.starts: set[int] = set()  # indexes in `times` of each stream's first message
-        # ... and of each stream's first token: the gap before it is the wait in admission's
-        # queue (behind --max-queued-requests others), a documented limit and not a stall
-        self.first_tokens: set[int] = set()
+        # ... of each message up to and including its stream's first token: the gaps before
+        # them are the wait in admission's queue (behind --max-queued-requests others), a
+        # documented limit and not a stall. A wait past --heartbeat-interval has a Heartbeat
+        # in it, so the wait is more than the one gap before the first token
+        self.queued: set[int] = set()
+        self.first_tokens: dict[int, int] = {}  # each stream's first token -> its first message
         self.errors: Counter[str] = Counter()
         self.stop = asyncio.Event()
 
@@ -56,13 +59,16 @@ class Canary:
             stub = generation_pb2_grpc.GenerationStub(channel)
             while not self.stop.is_set():
                 call = stub.GenerateStream(request, timeout=600)
-                self.starts.add(len(self.times))
+                start = len(self.times)
+                self.starts.add(start)
                 has_token = False
                 try:
                     while (message := await call.read()) is not grpc.aio.EOF:
-                        if not has_token and message.WhichOneof("event") == "delta":
-                            has_token = True
-                            self.first_tokens.add(len(self.times))
+                        if not has_token:
+                            self.queued.add(len(self.times))
+                            if message.WhichOneof("event") == "delta":
+                                has_token = True
+                                self.first_tokens[len(self.times)] = start
                         self.times.append(time.perf_counter())
                         if self.stop.is_set():
                             call.cancel()
@@ -75,13 +81,13 @@ class Canary:
         """Gaps between messages that overlap [start, end] (the one spanning `end` included);
         `within_streams` leaves out those between one stream's end and the next's start (where
         admission may refuse the canary for a while: a documented limit, not a stall) and those
-        before each stream's first token (its wait in admission's queue)."""
+        up to each stream's first token (its wait in admission's queue)."""
         return [b - a for a, b in self.spans(start, end, within_streams)]
 
     def spans(self, start: float, end: float, within_streams: bool = False) -> list[tuple]:
         """(from, to) of each gap of `gaps`."""
         pairs = zip(range(1, len(self.times)), self.times, self.times[1:])
-        skip = self.starts | self.first_tokens if within_streams else set()
+        skip = self.starts | self.queued if within_streams else set()
         spans = [(a, b) for i, a, b in pairs if b >= start and a <= end and i not in skip]
         if self.times and self.times[-1] < end:
             spans.append((self.times[-1], end))  # still silent when the window closed
@@ -151,10 +157,11 @@ def gap_figures(canary: Canary, normal: tuple[float, float], during: tuple[float
     normal_ms = statistics.median(normal_gaps) * 1000 if normal_gaps else float("nan")
     worst_ms = max(canary.gaps(*during, within_streams=True), default=float("nan")) * 1000
     any_ms = max(canary.gaps(*during), default=float("nan")) * 1000
-    # the canary's waits for its first token (in admission's queue) that ended in the phase
+    # the canary's waits for its first token (in admission's queue) that ended in the phase,
+    # from its stream's first message (Accepted)
     times = canary.times
-    waits = [times[i] - times[i - 1] for i in canary.first_tokens
-             if i > 0 and during[0] <= times[i] <= during[1]]  # fmt: skip
+    waits = [times[i] - times[start] for i, start in canary.first_tokens.items()
+             if during[0] <= times[i] <= during[1]]  # fmt: skip
     # when the worst gap began, from the phase's start (at once: the requests' arrival)
     spans = canary.spans(*during, within_streams=True)
     worst_at_s = max(spans, key=lambda ab: ab[1] - ab[0], default=during)[0] - during[0]

@@ -201,7 +201,7 @@ async def start(
     logger.info(
         "serving", host=options.host, port=front_ends.port, model=state.model_name,
         tls=bool(options.tls_cert), mtls=bool(options.tls_client_ca),
-        auth=bool(options.auth_tokens),
+        auth=bool(options.auth_tokens), max_message_size=state.max_message_size,
     )  # fmt: skip
     return front_ends, state, front_ends.port
 

@@ -27,7 +27,8 @@ SERVER = FlagGroup(
         "is refused or parsed off it (~2 ms a MB) bounds every stream's stall (default: "
         "the longest prompt the engine takes plus 1 MiB, at least 8 MiB; that prompt is "
         "max_model_len token ids at 8 bytes each or --max-prompt-bytes of text, whichever is "
-        "longer: 8 MiB up to a 224k context with --max-prompt-bytes' default)",
+        "longer: 8 MiB up to a 224k context with --max-prompt-bytes' default; the log line "
+        "'serving' says which)",
         "max_concurrent_rpcs": "hard cap on concurrent RPCs of any kind, enforced by gRPC itself "
         "(RESOURCE_EXHAUSTED without details); a backstop behind the admission limit (default: "
         "no cap)",
