@@ -208,3 +208,39 @@ def test_no_block_leaks_after_many_requests_with_random_aborts(model_dir) -> Non
             assert len(bm.block_tables[req.request_id]) <= bm.num_blocks_for(req.num_tokens)
     assert spec_stats(spec).num_accepted_tokens > 0
     assert_all_blocks_free(spec)
+
+
+@pytest.mark.parametrize("preemption_mode", [None, "swap", "recompute"])
+def test_a_draft_model_equal_to_the_target_is_always_right(
+    model_dir, hf_greedy, plain, preemption_mode
+) -> None:
+    # its K/V must follow every block move and every forward of the target's, or its drafts
+    # would go wrong after a swap, a recompute or a prefix-cache hit
+    overrides = {} if preemption_mode is None else {
+        "num_gpu_blocks_override": 10, "num_cpu_blocks_override": 64,
+        "preemption_mode": preemption_mode,
+    }  # fmt: skip
+    draft = {"model": str(model_dir("llama")), "num_speculative_tokens": 3}
+    spec = make_llm(model_dir, draft, **overrides)
+    got = token_ids(spec, PROMPTS, GREEDY)
+    assert got == token_ids(plain, PROMPTS, GREEDY)
+    for prompt, [tokens] in zip(PROMPTS, got):
+        assert tokens == hf_greedy(model_dir("llama"), prompt, GREEDY.max_tokens)
+    if preemption_mode is not None:
+        stats = spec.get_stats()
+        assert stats.num_preemptions_swap + stats.num_preemptions_recompute > 0
+    stats = spec_stats(spec)
+    assert stats.method == "draft_model" and stats.num_draft_tokens > 50
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens, stats
+    assert_all_blocks_free(spec)
+
+
+def test_a_different_draft_model_is_seldom_right_and_changes_nothing(model_dir, plain) -> None:
+    other = model_dir("llama", seed=7, num_hidden_layers=1)
+    spec = make_llm(model_dir, {"model": str(other), "num_speculative_tokens": 3})
+    params = SamplingParams(n=2, temperature=0, max_tokens=32, ignore_eos=True)
+    assert token_ids(spec, PROMPTS, params) == token_ids(plain, PROMPTS, params)
+    stats = spec_stats(spec)
+    assert stats.num_draft_tokens > 50
+    assert stats.num_accepted_tokens <= 0.1 * stats.num_draft_tokens, stats
+    assert_all_blocks_free(spec)

@@ -22,7 +22,7 @@ from asyncengine.worker.attention import set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
 from asyncengine.worker.cpu_linear import pack_linear_layers
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
-from asyncengine.worker.proposers import NgramProposer, Proposer
+from asyncengine.worker.proposers import ForwardInputs, NgramProposer, Proposer
 from asyncengine.worker.rejection_sampler import verify
 from asyncengine.worker.sampler import FillGrammarMasks, Sampler, prompt_logprobs
 
@@ -108,9 +108,7 @@ class ModelRunner:
         self.num_layers = len(model.model.layers)
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         self.sampler = Sampler(self.device, config.model_config.seed)
-        self.proposer: Proposer | None = None
-        if config.speculative_config is not None:
-            self.proposer = NgramProposer(config.speculative_config)
+        self.proposer = _make_proposer(config)
         self.cache_engine: CacheEngine | None = None
         lora = config.lora_config
         self.lora_stacks = None if lora is None else LoRAStacks(
@@ -120,9 +118,11 @@ class ModelRunner:
     # -- KV cache sizing ---------------------------------------------------------------------
 
     def bytes_per_block(self) -> int:
-        return CacheEngine.bytes_per_block(
+        """Of the target's K/V, and the draft model's in the same block if there is one."""
+        num_bytes = CacheEngine.bytes_per_block(
             self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
         )
+        return num_bytes + (self.proposer.bytes_per_block() if self.proposer else 0)
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) for this config; explicit overrides always win.
@@ -299,6 +299,8 @@ class ModelRunner:
             self.device,
             use_triton_kernels=self.config.device_config.attention_backend == "triton",
         )
+        if self.proposer is not None:
+            self.proposer.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -311,11 +313,17 @@ class ModelRunner:
         assert self.cache_engine is not None, "initialize_cache() first"
         self.cache_engine.apply(plan)
         self.load_loras(plan.lora_loads)
+        if self.proposer is not None:
+            self.proposer.apply_block_moves(plan)
         if not plan.scheduled:
             return ModelRunnerOutput()
         batch = self._prepare_inputs(plan, self._propose(plan))
         with set_forward_context(batch.attn_metadata, self.cache_engine.gpu_cache, batch.lora):
             hidden = self.model(batch.input_ids, batch.positions)
+        if self.proposer is not None:
+            self.proposer.observe(
+                ForwardInputs(batch.input_ids, batch.positions, batch.attn_metadata)
+            )
         output = ModelRunnerOutput()
         for rows in batch.prompt_rows:
             try:
@@ -351,7 +359,11 @@ class ModelRunner:
         if self.proposer is None or not plan.num_spec_tokens:
             return {}
         reqs = [r for r in plan.scheduled if r.request_id in plan.num_spec_tokens]
-        drafts = self.proposer.propose(reqs, [plan.num_spec_tokens[r.request_id] for r in reqs])
+        drafts = self.proposer.propose(
+            reqs,
+            [plan.num_spec_tokens[r.request_id] for r in reqs],
+            [plan.block_tables[r.request_id] for r in reqs],
+        )
         return {r.request_id: d for r, d in zip(reqs, drafts) if d}
 
     def _verify(
@@ -493,3 +505,13 @@ class ModelRunner:
                 slots[start:end] = slot
             row_slots = slots.to(self.device)
         return LoRABatch(self.lora_stacks, segments, row_slots)
+
+def _make_proposer(config: EngineConfig) -> Proposer | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        from asyncengine.worker.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config)
+    return NgramProposer(spec)

@@ -1,0 +1,194 @@
+"""Speculative decoding (issue 29): output tokens/s, TTFT and ITL with n-gram (or draft-model)
+speculation against none, with the acceptance rate and mean accepted length.
+
+Two loads, each at batch 1, 4 and 16 (`--batches`; max_num_seqs = the batch, all requests of a
+round arrive at once, `--rounds` requests per batch slot):
+
+- grounded: the answer copies spans of the prompt, as summarization, code editing and RAG do.
+  Each prompt is a standard-library docstring's start, the model's own continuation of it, a
+  blank line and the start again: the model goes on repeating the text it has seen.
+- mixed: random token ids, prompt and output lengths uniform in ranges (throughput.py's
+  mixed workload): nothing to copy, so speculation must cost nothing.
+
+Greedy decoding, the bundled default model unless `--model`; `--spec` is the JSON config.
+
+    python benchmarks/speculative.py                          # both loads, batch 1/4/16
+    python benchmarks/speculative.py --loads grounded --batches 1 --json
+    python benchmarks/speculative.py --spec '{"model": DRAFT_DIR, "num_speculative_tokens": 3}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncengine import LLM, SamplingParams
+from asyncengine.config import cpu_bf16_flag
+from asyncengine.logging import configure_logging
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+# modules whose docstrings make the grounded prompts
+DOC_MODULES = (
+    "json",
+    "csv",
+    "argparse",
+    "collections",
+    "itertools",
+    "functools",
+    "pathlib",
+    "random",
+    "statistics",
+    "textwrap",
+    "string",
+    "heapq",
+    "bisect",
+    "shutil",
+)
+
+
+def cpu_flags() -> str:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+
+
+def grounded_prompts(llm: LLM, num: int, head_len: int, answer_len: int) -> list[list[int]]:
+    """A docstring's first `head_len` tokens, the model's own greedy continuation of them, a
+    blank line, and the head again: the answer copies the span the prompt already holds (the
+    bundled model is too small to copy text it did not write itself)."""
+    docs = []
+    for name in DOC_MODULES:
+        module = __import__(name)
+        for _, obj in inspect.getmembers(module):
+            doc = inspect.getdoc(obj) if callable(obj) else None
+            if doc and len(doc) > 300:
+                docs.append(doc)
+    docs = list(dict.fromkeys(docs))
+    random.Random(0).shuffle(docs)
+    tokenizer = llm.llm_engine.tokenizer
+    heads = [tokenizer.encode(doc)[:head_len] for doc in docs[:num]]
+    params = SamplingParams(temperature=0, max_tokens=answer_len, ignore_eos=True)
+    answers = [out.outputs[0].token_ids for out in llm.generate(heads, params, use_tqdm=False)]
+    blank = tokenizer.encode("\n\n", add_special_tokens=False)
+    prompts = [head + answer + blank + head[1:] for head, answer in zip(heads, answers)]
+    return (prompts * (num // len(prompts) + 1))[:num]
+
+
+def mixed_prompts(num: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 160))] for _ in range(num)]
+    return prompts, [rng.randint(8, 128) for _ in range(num)]
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: list[int]) -> dict[str, float]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft, itl = [], []
+    for out in outs:
+        m = out.metrics
+        assert m is not None and m.first_token_time is not None and m.finished_time
+        ttft.append(m.first_token_time - m.arrival_time)
+        if m.num_output_tokens > 1:
+            itl.append((m.finished_time - m.first_token_time) / (m.num_output_tokens - 1))
+    return {
+        "tok_s": num_tokens / elapsed,
+        "ttft_ms": 1000 * statistics.median(ttft),
+        "itl_ms": 1000 * statistics.mean(itl),
+        "tokens": [o.outputs[0].token_ids for o in outs],  # type: ignore[dict-item]
+    }
+
+
+def spec_counts(llm: LLM) -> tuple[int, int, int]:
+    stats = llm.get_stats()
+    return stats.num_spec_drafts, stats.num_spec_draft_tokens, stats.num_spec_accepted_tokens
+
+
+def measure(args: argparse.Namespace, load: str, batch: int) -> dict[str, Any]:
+    engine_args = {"model": args.model, "device": "cpu", "dtype": args.dtype,
+                   "max_num_seqs": batch, "enable_prefix_caching": False}  # fmt: skip
+    engine_args = {k: v for k, v in engine_args.items() if v is not None}
+    plain, spec = LLM(**engine_args), LLM(**engine_args, speculative_config=args.spec)
+    num = batch * args.rounds
+    if load == "grounded":
+        prompts = grounded_prompts(plain, num, args.head_len, args.output_len)
+        max_tokens = [args.output_len] * num
+    else:
+        prompts, max_tokens = mixed_prompts(num, plain.llm_engine.vocab_size)
+    for llm in (plain, spec):  # warm-up: the first batch shapes
+        llm.generate(prompts[:batch], SamplingParams(max_tokens=4), use_tqdm=False)
+    before = spec_counts(spec)
+    base, fast = run(plain, prompts, max_tokens), run(spec, prompts, max_tokens)
+    drafts, draft_tokens, accepted = (a - b for a, b in zip(spec_counts(spec), before))
+    return {
+        "load": load,
+        "batch": batch,
+        "tok_s": base["tok_s"],
+        "spec_tok_s": fast["tok_s"],
+        "speedup": fast["tok_s"] / base["tok_s"],
+        "ttft_ms": base["ttft_ms"],
+        "spec_ttft_ms": fast["ttft_ms"],
+        "itl_ms": base["itl_ms"],
+        "spec_itl_ms": fast["itl_ms"],
+        "acceptance": accepted / draft_tokens if draft_tokens else 0.0,
+        "mean_accepted_len": 1 + accepted / drafts if drafts else 0.0,
+        "same_tokens": base["tokens"] == fast["tokens"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="model directory (default: bundled)")
+    # float32 by default: in bf16 a verification row may round a near-tie the other way
+    parser.add_argument("--dtype", default="float32", help="engine dtype")
+    parser.add_argument("--spec", default=NGRAM, help="speculative_config JSON")
+    parser.add_argument("--loads", default="grounded,mixed")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per batch slot")
+    parser.add_argument("--output-len", type=int, default=96, help="grounded output tokens")
+    parser.add_argument("--head-len", type=int, default=80, help="grounded docstring tokens")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    configure_logging("WARNING")
+    torch.set_num_threads(args.threads)
+    rows = [
+        measure(args, load, int(batch))
+        for load in args.loads.split(",")
+        for batch in args.batches.split(",")
+    ]
+    config = {
+        "spec": json.loads(args.spec),
+        "model": args.model or "bundled default",
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "rounds": args.rounds,
+    }
+    if args.json:
+        print(json.dumps({"config": config, "cpu": cpu_flags(), "results": rows}, indent=2))
+        return
+    print(f"cpu flags: {cpu_flags() or '-'} (bf16: {cpu_bf16_flag() or 'emulated'}); {config}")
+    header = ("load", "batch", "tok/s", "spec tok/s", "speedup", "TTFT ms", "spec TTFT",
+              "ITL ms", "spec ITL", "accept", "mean len", "same")  # fmt: skip
+    print(" | ".join(header))
+    for r in rows:
+        print(
+            f"{r['load']} | {r['batch']} | {r['tok_s']:.0f} | {r['spec_tok_s']:.0f} | "
+            f"{r['speedup']:.2f}x | {r['ttft_ms']:.1f} | {r['spec_ttft_ms']:.1f} | "
+            f"{r['itl_ms']:.2f} | {r['spec_itl_ms']:.2f} | {r['acceptance']:.2f} | "
+            f"{r['mean_accepted_len']:.2f} | {r['same_tokens']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
