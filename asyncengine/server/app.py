@@ -26,6 +26,7 @@ from asyncengine.logging import get_logger
 from asyncengine.server.auth import BearerTokenInterceptor
 from asyncengine.server.decode import MalformedRequestInterceptor
 from asyncengine.server.health import SERVICE_NAMES, GrpcHealth
+from asyncengine.server.lora import check_lora_modules, check_lora_options, parse_lora_module
 from asyncengine.server.message_bounds import MessageBounds
 from asyncengine.server.metrics import ServerMetrics
 from asyncengine.server.options import ServeOptions, check_options
@@ -184,6 +185,7 @@ async def start(
     With `options.metrics_port` set, /metrics is served too (`state.metrics.port`).
     """
     state = ServerState(engine, options)
+    await _load_lora_modules(state)
     front_ends = FrontEnds(state)
     if options.metrics_port is not None or options.http_port is not None:
         # one registry, on --metrics-port and on the HTTP API's /metrics alike
@@ -204,6 +206,18 @@ async def start(
         auth=bool(options.auth_tokens), max_message_size=state.max_message_size,
     )  # fmt: skip
     return front_ends, state, front_ends.port
+
+
+async def _load_lora_modules(state: ServerState) -> None:
+    """Load --lora-modules before any port opens (no caller sees the server without them);
+    on a failure the engine is shut down and the ValueError names the entry."""
+    try:
+        modules = [parse_lora_module(value) for value in state.options.lora_modules]
+        check_lora_modules(modules, state.model_names)
+        await state.adapters.load_modules(modules)
+    except ValueError:
+        await state.engine.shutdown()
+        raise
 
 
 async def stop(front_ends: FrontEnds, state: ServerState) -> int:
@@ -321,6 +335,7 @@ def run(
     runner and fault hook this way).
     """
     check_options(options)
+    check_lora_options(options, engine_args.enable_lora)
     check_port_free(options)
     if not sys.stderr.isatty():  # the same test configure_logging uses for JSON
         json_stdlib_logs()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from asyncengine.engine.request_stream import RequestStream
 from asyncengine.errors import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
 from asyncengine.logging import get_logger
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.server.abort_reason import AbortReason
@@ -112,12 +113,14 @@ class Call:
         priority: int = 0,
         cache_salt: str | None = None,
         invalid: InvalidTranslation = _no_translation,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Admit every prompt and hand it to the engine; `invalid` names a bad field the
-        front end's way. On failure the call is closed: whatever was taken is given back."""
+        """Admit every prompt and hand it to the engine (with `lora_request`: to that adapter);
+        `invalid` names a bad field the front end's way. On failure the call is closed:
+        whatever was taken is given back."""
         assert len(prompts) == len(self._requested), "one request id per prompt"
         try:
-            await self._open(prompts, params, priority, cache_salt, invalid)
+            await self._open(prompts, params, priority, cache_salt, invalid, lora_request)
         except BaseException:
             await self.close()
             raise
@@ -129,6 +132,7 @@ class Call:
         priority: int,
         cache_salt: str | None,
         invalid: InvalidTranslation,
+        lora_request: LoRARequest | None,
     ) -> None:
         state = self._state
         try:
@@ -153,6 +157,7 @@ class Call:
                         cache_salt=cache_salt,
                         tenant=self.tenant,
                         strict_max_tokens=True,
+                        lora_request=lora_request,
                     )
                 except DuplicateRequestError:
                     # the engine's id is in use (by a caller of the engine itself): named by the

@@ -18,6 +18,8 @@ from asyncengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
+    LoRAInUseError,
+    LoRANotFoundError,
     RequestFailedError,
 )
 from asyncengine.logging import get_logger
@@ -48,6 +50,17 @@ class PermissionDeniedError(RuntimeError):
     """Control is off (tenant tokens but no Control token): no token may call it."""
 
 
+class DuplicateLoRAError(InvalidRequestError):
+    """A LoRA adapter of this name is loaded already: unload it first, or pick another name."""
+
+    def __init__(self, lora_name: str) -> None:
+        super().__init__("lora_name", f"the LoRA adapter {lora_name!r} is loaded already")
+
+
+class RuntimeLoRAUpdatingDisabledError(RuntimeError):
+    """A run-time load or unload on a server started without --allow-runtime-lora-updating."""
+
+
 def _any(message: object) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
@@ -69,8 +82,23 @@ def status_for(exc: BaseException, *, has_partial_output: bool = False) -> statu
         if isinstance(exc, DuplicateRequestError):
             info = _error_info("DUPLICATE_REQUEST_ID", field=field)
             return _status(code_pb2.ALREADY_EXISTS, exc, bad_request, info)
+        if isinstance(exc, DuplicateLoRAError):
+            info = _error_info("DUPLICATE_LORA", field=field)
+            return _status(code_pb2.ALREADY_EXISTS, exc, bad_request, info)
         info = _error_info("INVALID_ARGUMENT", field=field)
         return _status(code_pb2.INVALID_ARGUMENT, exc, bad_request, info)
+    if isinstance(exc, LoRANotFoundError):  # the adapter a request or a call names
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field="lora_name", description=str(exc)
+        )
+        bad_request = _any(error_details_pb2.BadRequest(field_violations=[violation]))
+        info = _error_info("LORA_NOT_FOUND", field="lora_name")
+        return _status(code_pb2.NOT_FOUND, exc, bad_request, info)
+    if isinstance(exc, LoRAInUseError):
+        return _status(code_pb2.FAILED_PRECONDITION, exc, _error_info("LORA_IN_USE"))
+    if isinstance(exc, RuntimeLoRAUpdatingDisabledError):
+        info = _error_info("RUNTIME_LORA_UPDATING_DISABLED")
+        return _status(code_pb2.FAILED_PRECONDITION, exc, info)
     if isinstance(exc, EngineOverloadedError):
         delay = duration_pb2.Duration()
         delay.FromMilliseconds(max(1, round(exc.retry_after_s * 1000)))

@@ -22,12 +22,18 @@ class FlagGroup:
     flags: dict[str, str]
 
 
-def flag_of(name: str, field_type: object) -> str:
+def flag_of(name: str, field_type: object, takes_list: bool = False) -> str:
     """The flag of a field: `max_num_seqs` -> `--max-num-seqs`; a tuple field
-    (`auth_tokens`) is a repeated flag named in the singular (`--auth-token`)."""
-    if str(field_type).startswith("tuple"):
+    (`auth_tokens`) is a repeated flag named in the singular (`--auth-token`), unless it
+    `takes_list` (one flag, many values: `--lora-modules a=x b=y`, as vLLM's)."""
+    if str(field_type).startswith("tuple") and not takes_list:
         name = name.removesuffix("s")
     return "--" + name.replace("_", "-")
+
+
+def takes_list(field: dataclasses.Field[Any]) -> bool:
+    """A tuple field whose flag takes one or more values at once (its metadata says so)."""
+    return bool(field.metadata.get("takes_list"))
 
 
 def add_flag_groups(
@@ -59,8 +65,14 @@ def add_flag_groups(
 def _add(
     section: argparse._ArgumentGroup, field: dataclasses.Field[Any], text: str, defaults: Any
 ) -> None:
-    flag = flag_of(field.name, field.type)
+    flag = flag_of(field.name, field.type, takes_list(field))
     kind = str(field.type).split(" |")[0]
+    if takes_list(field):  # one or more values, and more with the flag repeated
+        metavar = field.metadata.get("metavar")
+        section.add_argument(
+            flag, nargs="+", action="extend", default=None, metavar=metavar, help=text
+        )
+        return
     if kind.startswith("tuple"):  # repeated; the environment may add more (serve_options_from)
         section.add_argument(flag, action="append", default=None, help=text)
         return

@@ -66,6 +66,8 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.get_stats()
+        if self._engine.config.lora_config is not None:
+            yield from _lora_metrics(stats, sorted(self._engine.lora_requests()))
         info = GaugeMetricFamily(P + "info", "The served model and engine (value 1)",
                                  labels=list(self._info))  # fmt: skip
         info.add_metric(list(self._info.values()), 1)
@@ -145,6 +147,39 @@ def _spec_decode_metrics(stats: EngineStats) -> Iterator[Metric]:
     )
     length.add_metric(method, 1 + stats.num_spec_accepted_tokens / drafts if drafts else 0.0)
     yield length
+
+
+def _lora_metrics(stats: EngineStats, names: list[str]) -> Iterator[Metric]:
+    """LoRA adapters: how many are served (`names`), cached and resident, their loads and
+    evictions, and each served adapter's running and waiting requests (0 when it has none, so
+    its series stays continuous while it is loaded)."""
+    adapters = GaugeMetricFamily(
+        P + "lora_adapters",
+        "LoRA adapters by state: registered (served by name), cached (weights in host memory, "
+        "at most --max-cpu-loras), resident (in a device slot, at most --max-loras)",
+        labels=["state"],
+    )
+    adapters.add_metric(["registered"], len(names))
+    adapters.add_metric(["cached"], stats.num_cached_loras)
+    adapters.add_metric(["resident"], stats.num_active_loras)
+    yield adapters
+    yield CounterMetricFamily(
+        P + "lora_loads", "Adapters copied into a device slot", value=stats.num_lora_loads
+    )
+    yield CounterMetricFamily(
+        P + "lora_evictions",
+        "Adapters evicted (least recently used) to make room for another",
+        value=stats.num_lora_evictions,
+    )
+    requests = GaugeMetricFamily(
+        P + "lora_requests",
+        "Requests of each LoRA adapter: running, or waiting (queued or swapped out)",
+        labels=["lora_name", "state"],
+    )
+    for name in names:
+        requests.add_metric([name, "running"], stats.lora_running.get(name, 0))
+        requests.add_metric([name, "waiting"], stats.lora_waiting.get(name, 0))
+    yield requests
 
 
 def _grammar_metrics(stats: EngineStats) -> Iterator[Metric]:

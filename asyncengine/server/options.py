@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MiB = 1 << 20
 
@@ -58,6 +58,11 @@ class ServeOptions:
     http_port: int | None = None
     http_host: str | None = None
     chat_template: str | None = None
+    # vLLM's `--lora-modules name=path ...` (or JSON entries); parsed by server/lora.py
+    lora_modules: tuple[str, ...] = field(
+        default=(), metadata={"takes_list": True, "metavar": "NAME=PATH"}
+    )
+    allow_runtime_lora_updating: bool = False
 
 
 # what a message may hold beside its prompt (options, stop strings, a schema) under the default
@@ -92,6 +97,7 @@ def serve_options_from(ns: argparse.Namespace) -> ServeOptions:
     values = {name: getattr(ns, name) for name in fields if name not in envs}
     for name, env_name in envs.items():  # repeated flags, named in the singular (--auth-token)
         values[name] = _tokens(getattr(ns, name.removesuffix("s")), env_name)
+    values["lora_modules"] = tuple(values["lora_modules"] or ())
     if values["served_model_name"] is None and getattr(ns, "model", None):
         values["served_model_name"] = default_served_model_name(ns.model)
     return ServeOptions(**values)

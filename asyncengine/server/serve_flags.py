@@ -79,6 +79,22 @@ HTTP = FlagGroup(
         "closed at once, so idle sockets cannot exhaust the process's descriptors",
     },
 )
+LORA = FlagGroup(
+    "LoRA adapters",
+    "Which adapters the server serves by name (requests give it as OpenAI's `model` or gRPC's "
+    "lora_name); both need --enable-lora.",
+    {
+        "lora_modules": "adapters to load at start-up, each name=path (a PEFT directory: "
+        "adapter_config.json and adapter_model.safetensors) or vLLM's JSON form "
+        '{"name": ..., "path": ..., "base_model_name": ...}; ids 1, 2, ... in the order given; '
+        "the server does not start if one cannot be loaded (default: none)",
+        "allow_runtime_lora_updating": "allow loading and unloading adapters while serving: "
+        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter (routes absent without it, as "
+        "vLLM's without VLLM_ALLOW_RUNTIME_LORA_UPDATING) and Control.LoadLoRA / UnloadLoRA "
+        "(FAILED_PRECONDITION without it), all behind the Control token; only for operators "
+        "who trust the paths their Control token holders name (default: %(default)s)",
+    },
+)
 ADMISSION = FlagGroup(
     "admission, streams and drain",
     "How many requests are taken, how silent or unread streams are handled, and how a "
@@ -151,7 +167,7 @@ ENGINE_PROCESS = FlagGroup(
         "tiny models on busy CPUs",
     },
 )
-SERVE_GROUPS = [SERVER, HTTP, ADMISSION, SECURITY, OBSERVABILITY, ENGINE_PROCESS]
+SERVE_GROUPS = [SERVER, HTTP, LORA, ADMISSION, SECURITY, OBSERVABILITY, ENGINE_PROCESS]
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:

@@ -1,4 +1,5 @@
-"""The Control service: abort requests, describe the model and server, watch load, drain, resume."""
+"""The Control service: abort requests, describe the model and server, watch load, drain, resume,
+and load, unload and list LoRA adapters."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import grpc
 
 import asyncengine
 from asyncengine.errors import EngineDeadError
+from asyncengine.lora.request import LoRARequest
 from asyncengine.server import convert
 from asyncengine.server.errors import (
     InvalidFieldError,
@@ -95,3 +97,32 @@ class ControlServicer(control_pb2_grpc.ControlServicer):
         except (ServerDrainingError, EngineDeadError) as exc:  # shutting down, or engine dead
             await abort_rpc(context, exc)
         return pb.ResumeResponse(was_draining=was_draining)
+
+    async def LoadLoRA(self, request: pb.LoadLoRARequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            adapter = await self._state.adapters.load(request.lora_name, request.lora_path)
+        except Exception as exc:  # INVALID_ARGUMENT, ALREADY_EXISTS, FAILED_PRECONDITION
+            await abort_rpc(context, exc)
+        return self._adapter(adapter)
+
+    async def UnloadLoRA(
+        self, request: pb.UnloadLoRARequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            adapter = await self._state.adapters.unload(request.lora_name)
+        except Exception as exc:  # NOT_FOUND, or FAILED_PRECONDITION while in use
+            await abort_rpc(context, exc)
+        return pb.UnloadLoRAResponse(adapter=self._adapter(adapter))
+
+    async def ListLoRAs(
+        self, request: pb.ListLoRAsRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        return pb.ListLoRAsResponse(adapters=[self._adapter(a) for a in self._state.adapters.all()])
+
+    def _adapter(self, adapter: LoRARequest) -> pb.LoRAAdapter:
+        return pb.LoRAAdapter(
+            lora_name=adapter.lora_name,
+            lora_id=adapter.lora_int_id,
+            lora_path=adapter.lora_path,
+            base_model_name=self._state.model_name,
+        )

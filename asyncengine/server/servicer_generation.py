@@ -212,6 +212,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         but the prompt. Bad input raises InvalidFieldError."""
         prompt, prompt_field = convert.prompt_of(request)
         params = self._sampling_params(request, RequestOutputKind.DELTA)
+        adapter = self._state.adapters.resolve(request.lora_name)
         call = self._call(request, context, [request_id])
         accepted = pb.Accepted(
             request_id=request_id,
@@ -224,6 +225,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request.priority,
             request.cache_salt or None,
             invalid=lambda exc, index: _field_error(exc, [prompt_field], index),
+            lora_request=adapter,
         )
         return call, accepted
 
@@ -236,6 +238,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidFieldError("sampling.n", "n > 1 is supported by GenerateStream only")
         self._state.check_batch_size(len(request.prompts))  # before anything is built per prompt
         prompts = [convert.prompt_of(p, f"prompts[{i}].") for i, p in enumerate(request.prompts)]
+        adapter = self._state.adapters.resolve(request.lora_name)
         call = self._call(request, context, [f"{batch_id}-{i}" for i in range(len(prompts))])
         fields = [field for _, field in prompts]
         await call.open(
@@ -244,6 +247,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             request.priority,
             request.cache_salt or None,
             invalid=lambda exc, index: _field_error(exc, fields, index),
+            lora_request=adapter,
         )
         return call
 

@@ -23,6 +23,7 @@ from asyncengine.logging import get_logger
 from asyncengine.server.abort_reason import AbortReason
 from asyncengine.server.auth import Tenants
 from asyncengine.server.errors import ServerDrainingError
+from asyncengine.server.lora import LoRAAdapters
 from asyncengine.server.options import (
     ServeOptions,
     default_served_model_name,
@@ -94,6 +95,7 @@ class ServerState:
         self.is_stopping = False  # set by shutdown: its drain is final, no Resume undoes it
         self._resumed = asyncio.Event()  # a new one per drain; Resume sets it
         self.tenants = Tenants.from_options(options)
+        self.adapters = LoRAAdapters(engine, self.model_names, options.allow_runtime_lora_updating)
         self.metrics: ServerMetrics | None = None
         self._readiness_listeners: list[ReadinessListener] = []
         self._num_entering = 0  # admitted, not yet the engine's

@@ -65,6 +65,21 @@ class ControlStub:
                 request_serializer=asyncengine_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=asyncengine_dot_v1_dot_control__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/asyncengine.v1.Control/LoadLoRA',
+                request_serializer=asyncengine_dot_v1_dot_control__pb2.LoadLoRARequest.SerializeToString,
+                response_deserializer=asyncengine_dot_v1_dot_control__pb2.LoRAAdapter.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/asyncengine.v1.Control/UnloadLoRA',
+                request_serializer=asyncengine_dot_v1_dot_control__pb2.UnloadLoRARequest.SerializeToString,
+                response_deserializer=asyncengine_dot_v1_dot_control__pb2.UnloadLoRAResponse.FromString,
+                _registered_method=True)
+        self.ListLoRAs = channel.unary_unary(
+                '/asyncengine.v1.Control/ListLoRAs',
+                request_serializer=asyncengine_dot_v1_dot_control__pb2.ListLoRAsRequest.SerializeToString,
+                response_deserializer=asyncengine_dot_v1_dot_control__pb2.ListLoRAsResponse.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -115,6 +130,32 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Load a LoRA adapter (a PEFT directory on the server's host) under a name that requests then
+        give as GenerateRequest.lora_name. Needs --enable-lora and --allow-runtime-lora-updating
+        (FAILED_PRECONDITION without it). A name already loaded is ALREADY_EXISTS; a directory the
+        engine cannot serve is INVALID_ARGUMENT naming lora_path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Unload an adapter by name (NOT_FOUND naming it if none has it). An adapter that requests
+        still use is FAILED_PRECONDITION (reason LORA_IN_USE) and stays loaded: those requests
+        are never broken; unload it again once they end. Needs --allow-runtime-lora-updating.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoRAs(self, request, context):
+        """The adapters loaded (at start-up by --lora-modules, or by LoadLoRA), by id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +188,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=asyncengine_dot_v1_dot_control__pb2.ResumeRequest.FromString,
                     response_serializer=asyncengine_dot_v1_dot_control__pb2.ResumeResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=asyncengine_dot_v1_dot_control__pb2.LoadLoRARequest.FromString,
+                    response_serializer=asyncengine_dot_v1_dot_control__pb2.LoRAAdapter.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=asyncengine_dot_v1_dot_control__pb2.UnloadLoRARequest.FromString,
+                    response_serializer=asyncengine_dot_v1_dot_control__pb2.UnloadLoRAResponse.SerializeToString,
+            ),
+            'ListLoRAs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoRAs,
+                    request_deserializer=asyncengine_dot_v1_dot_control__pb2.ListLoRAsRequest.FromString,
+                    response_serializer=asyncengine_dot_v1_dot_control__pb2.ListLoRAsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +367,87 @@ class Control:
             '/asyncengine.v1.Control/Resume',
             asyncengine_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
             asyncengine_dot_v1_dot_control__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncengine.v1.Control/LoadLoRA',
+            asyncengine_dot_v1_dot_control__pb2.LoadLoRARequest.SerializeToString,
+            asyncengine_dot_v1_dot_control__pb2.LoRAAdapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncengine.v1.Control/UnloadLoRA',
+            asyncengine_dot_v1_dot_control__pb2.UnloadLoRARequest.SerializeToString,
+            asyncengine_dot_v1_dot_control__pb2.UnloadLoRAResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoRAs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncengine.v1.Control/ListLoRAs',
+            asyncengine_dot_v1_dot_control__pb2.ListLoRAsRequest.SerializeToString,
+            asyncengine_dot_v1_dot_control__pb2.ListLoRAsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -506,6 +506,7 @@ class ModelRunner:
             row_slots = slots.to(self.device)
         return LoRABatch(self.lora_stacks, segments, row_slots)
 
+
 def _make_proposer(config: EngineConfig) -> Proposer | None:
     spec = config.speculative_config
     if spec is None:

@@ -171,6 +171,19 @@ function createClient(target, { token, controlToken = token, tls, protoDir, chan
     drain({ gracePeriodMs = 0 } = {}, callOptions) {
       return unary(control, 'Drain', { gracePeriodMs }, callOptions);
     },
+    /** Load a LoRA adapter (a PEFT directory on the server) as `loraName`; resolves to
+     * `{loraName, loraId, loraPath, baseModelName}`. Needs --allow-runtime-lora-updating. */
+    loadLoRA({ loraName, loraPath }, callOptions) {
+      return unary(control, 'LoadLoRA', { loraName, loraPath }, callOptions);
+    },
+    /** Unload an adapter by name; FAILED_PRECONDITION while requests use it. `{adapter}`. */
+    unloadLoRA(loraName, callOptions) {
+      return unary(control, 'UnloadLoRA', { loraName }, callOptions);
+    },
+    /** The adapters served, in load order: `{adapters: [{loraName, loraId, ...}]}`. */
+    listLoRAs(callOptions) {
+      return unary(control, 'ListLoRAs', {}, callOptions);
+    },
     /** The serving status of `service` ('' is the whole server): 'SERVING', 'NOT_SERVING', ... */
     async health(service = '', callOptions) {
       const response = await unary(healthStub, 'Check', { service }, callOptions);

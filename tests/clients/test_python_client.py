@@ -77,6 +77,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
         self.failures: list[status_pb2.Status] = []  # the next calls fail with these
         self.fail_after_deltas: int | None = None  # then UNAVAILABLE mid-stream
         self.metadata: list[dict[str, str]] = []
+        self.lora_names: list[str] = []  # each generate call's
 
     def _admit(self, context: grpc.ServicerContext) -> None:
         self.num_calls += 1
@@ -86,6 +87,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     def GenerateStream(self, request, context):
         self._admit(context)
+        self.lora_names.append(request.lora_name)
         num_tokens = request.stopping.max_new_tokens
         yield generation_pb2.GenerateResponse(
             accepted=generation_pb2.Accepted(request_id=request.request_id or "req-0")
@@ -104,6 +106,7 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
     def Generate(self, request, context):
         self._admit(context)
+        self.lora_names.append(request.lora_name)
         if request.stopping.max_new_tokens > 100:
             violation = error_details_pb2.BadRequest.FieldViolation(
                 field="stopping.max_new_tokens", description="too many"
@@ -135,6 +138,9 @@ class FakeGeneration(generation_pb2_grpc.GenerationServicer):
 
 
 class FakeControl(control_pb2_grpc.ControlServicer):
+    def __init__(self) -> None:
+        self.adapters: dict[str, control_pb2.LoRAAdapter] = {}
+
     def Abort(self, request, context):
         aborted_ids = [i for i in request.request_ids if i != "gone"]
         return control_pb2.AbortResponse(aborted_ids=aborted_ids)
@@ -148,6 +154,24 @@ class FakeControl(control_pb2_grpc.ControlServicer):
     def WatchLoad(self, request, context):
         for i in range(3):
             yield control_pb2.LoadReport(running=i, block_usage_ratio=i / 4)
+
+    def LoadLoRA(self, request, context):
+        adapter = control_pb2.LoRAAdapter(
+            lora_name=request.lora_name,
+            lora_id=len(self.adapters) + 1,
+            lora_path=request.lora_path,
+            base_model_name="fake",
+        )
+        self.adapters[request.lora_name] = adapter
+        return adapter
+
+    def UnloadLoRA(self, request, context):
+        if request.lora_name not in self.adapters:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r}")
+        return control_pb2.UnloadLoRAResponse(adapter=self.adapters.pop(request.lora_name))
+
+    def ListLoRAs(self, request, context):
+        return control_pb2.ListLoRAsResponse(adapters=list(self.adapters.values()))
 
 
 @dataclasses.dataclass
@@ -256,6 +280,31 @@ def test_tokenize_info_abort_health_and_load(fake: FakeServer) -> None:
         assert [load.block_usage_ratio for load in client.watch_load()] == [0, 0.25, 0.5]
         fake.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         assert client.health() == "NOT_SERVING"
+
+
+def test_lora_adapters_are_loaded_listed_used_by_name_and_unloaded(fake: FakeServer) -> None:
+    async def run() -> tuple:
+        async with AsyncClient(fake.address) as client:
+            loaded = await client.load_lora("sql", "/adapters/sql")
+            listed = await client.list_loras()
+            events = [
+                e async for e in client.generate_stream("Hi", max_new_tokens=1, lora_name="sql")
+            ]
+            return loaded, listed, events, await client.unload_lora("sql")
+
+    loaded, listed, events, unloaded = collect_async(run)
+    assert (loaded.lora_name, loaded.lora_id, loaded.lora_path) == ("sql", 1, "/adapters/sql")
+    assert listed == [loaded] and unloaded == loaded and isinstance(events[-1], Usage)
+    with Client(fake.address) as client:
+        client.load_lora("chat", "/adapters/chat")
+        assert [a.lora_name for a in client.list_loras()] == ["chat"]
+        client.generate(["Hi"], max_new_tokens=1, lora_name="chat")
+        client.generate(["Hi"], max_new_tokens=1)
+        assert client.unload_lora("chat").base_model_name == "fake"
+        with pytest.raises(InvalidRequestError) as missing:
+            client.unload_lora("chat")
+        assert missing.value.code is grpc.StatusCode.NOT_FOUND
+    assert fake.generation.lora_names == ["sql", "chat", ""]
 
 
 # ---- retries and errors ----

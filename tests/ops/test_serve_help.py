@@ -18,6 +18,7 @@ GROUPS = {
     "--max-concurrent-streams",
     "OpenAI HTTP API": "--http-port --http-host --chat-template --http-header-timeout "
     "--http-body-timeout --http-keep-alive-timeout --http-max-connections",
+    "LoRA adapters": "--lora-modules --allow-runtime-lora-updating",
     "admission, streams and drain": "--max-queued-requests --retry-after --heartbeat-interval "
     "--stall-timeout --drain-grace-period",
     "security": "--tls-cert --tls-key --tls-client-ca --auth-token --control-auth-token "

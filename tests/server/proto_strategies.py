@@ -244,12 +244,18 @@ def _request_id(strategies: Strategies, field: FieldDescriptor) -> st.SearchStra
     return weighted((3, st.sampled_from(REQUEST_IDS)), (1, strings()))
 
 
+def _lora_name(strategies: Strategies, field: FieldDescriptor) -> st.SearchStrategy[str]:
+    # mostly the base model: a name the server lacks ends the call before the engine sees it
+    return weighted((8, st.just("")), (1, strings()))
+
+
 # field name -> its values' strategy, where the type's full range would make calls slow or
 # never collide; a hinted optional field decides its own presence (UNSET is one of its values)
 FIELD_HINTS: dict[str, Callable[[Strategies, FieldDescriptor], st.SearchStrategy[Any]]] = {
     "max_new_tokens": _max_new_tokens,
     "request_id": _request_id,
     "request_ids": _request_id,
+    "lora_name": _lora_name,
 }
 
 

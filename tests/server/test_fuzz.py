@@ -53,13 +53,17 @@ NOT_FUZZED = {
     "WatchLoad": "a stream that never ends",
 }
 FUZZED = [m for service in SERVICES for m in service.methods if m.name not in NOT_FUZZED]
-# codes for a request that is wrong: each must name the field (BadRequest)
+# codes for a request that is wrong: each must name the field (BadRequest); NOT_FOUND is a
+# `lora_name` the server has no adapter of
 FIELD_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.OUT_OF_RANGE,
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.NOT_FOUND,
 }
+# the main server runs without --allow-runtime-lora-updating: these are refused whatever they hold
+LORA_UPDATES = {"LoadLoRA", "UnloadLoRA"}
 BYSTANDER = pb.GenerateRequest(
     text="양자역학 설명해줄래? The capital of France is",
     sampling=pb.SamplingOptions(temperature=0.0),
@@ -225,6 +229,9 @@ def _check(call: Call, outcome: Outcome, limits: Limits, max_admitted: int) -> N
         out_of_vocab = [(p, v) for p, v in token_id_values(request) if v >= limits.vocab_size]
         assert not out_of_vocab, f"OK for token ids >= vocab_size: {out_of_vocab[:3]}"
         REPLY_CHECKS[call.method.name](request, outcome.responses, limits)
+    elif call.method.name in LORA_UPDATES:
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, code
+        assert detail(error, error_details_pb2.ErrorInfo).reason == "RUNTIME_LORA_UPDATING_DISABLED"
     elif code in FIELD_CODES:
         field = bad_field(error)
         assert field_path_exists(call.method.input_type, field), f"{code.name} names {field!r}"
@@ -314,6 +321,14 @@ def _check_server_info(request: Any, responses: list[Any], limits: Limits) -> No
     assert not responses[0].draining, responses[0]
 
 
+def _check_list_loras(request: Any, responses: list[Any], limits: Limits) -> None:
+    assert list(responses[0].adapters) == [], responses[0]  # LoRA is off on this server
+
+
+def _never_ok(request: Any, responses: list[Any], limits: Limits) -> None:
+    raise AssertionError("OK on a server without --allow-runtime-lora-updating")
+
+
 REPLY_CHECKS: dict[str, Callable[[Any, list[Any], Limits], None]] = {
     "GenerateStream": _check_stream,
     "Generate": _check_batch,
@@ -322,6 +337,9 @@ REPLY_CHECKS: dict[str, Callable[[Any, list[Any], Limits], None]] = {
     "Abort": _check_abort,
     "GetModelInfo": _check_model_info,
     "GetServerInfo": _check_server_info,
+    "ListLoRAs": _check_list_loras,
+    "LoadLoRA": _never_ok,
+    "UnloadLoRA": _never_ok,
 }
 
 

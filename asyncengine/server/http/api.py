@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import asyncengine
@@ -18,9 +18,16 @@ from asyncengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
+    LoRAInUseError,
+    LoRANotFoundError,
     RequestFailedError,
 )
-from asyncengine.server.errors import ServerDrainingError, UnauthenticatedError
+from asyncengine.lora.request import LoRARequest
+from asyncengine.server.errors import (
+    PermissionDeniedError,
+    ServerDrainingError,
+    UnauthenticatedError,
+)
 from asyncengine.server.http import protocol
 from asyncengine.server.http.body import BodyBounds, parse_body, too_large
 from asyncengine.server.http.call import HttpContext
@@ -43,7 +50,10 @@ _HANDLED = (
     EngineDeadError,
     RequestFailedError,
     UnauthenticatedError,
+    PermissionDeniedError,
     ModelNotFoundError,
+    LoRANotFoundError,
+    LoRAInUseError,
     BodyTooLargeError,
     RequestValidationError,
     HTTPException,
@@ -83,25 +93,53 @@ def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
         body = await parse_body(request, protocol.ChatRequest, bounds)
         return await create_chat_completion(ctx, body, request)
 
-    def card() -> protocol.ModelCard:
-        return protocol.ModelCard(
+    def card(adapter: LoRARequest | None = None) -> protocol.ModelCard:
+        """The base model's card, or an adapter's (vLLM's: its directory as root, its base
+        model as parent)."""
+        base = protocol.ModelCard(
             id=ctx.model_name,
             created=ctx.started_at,
             root=state.engine.config.model_config.model,
             max_model_len=state.engine.max_model_len,
         )
+        if adapter is None:
+            return base
+        changes = {"id": adapter.lora_name, "root": adapter.lora_path, "parent": ctx.model_name}
+        return base.model_copy(update=changes)
 
     @app.get("/v1/models")
     async def models(request: Request) -> protocol.ModelList:
         ctx.authorize(request)
-        return protocol.ModelList(data=[card()])
+        return protocol.ModelList(data=[card(), *map(card, state.adapters.all())])
 
     # `:path`: the served name may be a filesystem path, slashes and all
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> protocol.ModelCard:
         ctx.authorize(request)
-        ctx.check_model(model_id)
-        return card()
+        return card(ctx.resolve_model(model_id))
+
+    if state.adapters.allow_runtime_updates:  # vLLM's routes exist only when allowed, too
+        _add_lora_routes(app, ctx)
+
+
+def _add_lora_routes(app: FastAPI, ctx: HttpContext) -> None:
+    """vLLM's run-time adapter routes, behind the Control token (Control's rule, as on gRPC)."""
+    adapters = ctx.state.adapters
+    bounds = BodyBounds.of(ctx.state)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        ctx.authorize_control(request)
+        body = await parse_body(request, protocol.LoadLoRAAdapterRequest, bounds)
+        await adapters.load(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        ctx.authorize_control(request)
+        body = await parse_body(request, protocol.UnloadLoRAAdapterRequest, bounds)
+        await adapters.unload(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
 
 
 def _add_router_routes(app: FastAPI, state: ServerState) -> None:

@@ -16,12 +16,17 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from asyncengine.engine.async_llm_engine import AsyncLLMEngine
-from asyncengine.errors import InvalidRequestError
+from asyncengine.errors import InvalidRequestError, LoRANotFoundError
+from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import RequestOutput
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.server.auth import Tenants, carries_token
+from asyncengine.server.auth import CONTROL_DISABLED_MESSAGE, Tenants, carries_token
 from asyncengine.server.call import Call
-from asyncengine.server.errors import ClientStalledError, UnauthenticatedError
+from asyncengine.server.errors import (
+    ClientStalledError,
+    PermissionDeniedError,
+    UnauthenticatedError,
+)
 from asyncengine.server.http import protocol, sse
 from asyncengine.server.http.errors import InvalidParamError, ModelNotFoundError
 from asyncengine.server.http.params import TokenTexts, param_error
@@ -86,11 +91,40 @@ class HttpContext:
         if not carries_token(metadata, self.state.options.control_auth_tokens):
             raise UnauthenticatedError("a valid Control bearer token is required for /metrics")
 
+    def authorize_control(self, request: Request) -> None:
+        """Control's rule, as on gRPC: a --control-auth-token when the server has one; with
+        tenant tokens and no Control token, off for every token (PermissionDeniedError)."""
+        control_tokens = self.state.options.control_auth_tokens
+        if not control_tokens:
+            if self.tokens:
+                raise PermissionDeniedError(CONTROL_DISABLED_MESSAGE)
+            return
+        header = request.headers.get("authorization")
+        metadata = [("authorization", header)] if header else []
+        if not carries_token(metadata, control_tokens):
+            raise UnauthenticatedError(
+                f"a valid Control bearer token is required for {request.url.path}"
+            )
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted_models:
+        """ModelNotFoundError unless `model` is unset, the base model or an adapter."""
+        self.resolve_model(model)
+
+    def resolve_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names; None for the base model (or no name)."""
+        if model is None or model in self.accepted_models:
+            return None
+        adapter = self.state.adapters.get(model)
+        if adapter is None:
             raise ModelNotFoundError(
                 f"the model {model!r} does not exist: this server serves {self.model_name!r}"
+                + ("" if not self.state.adapters.all() else " and its LoRA adapters (/v1/models)")
             )
+        return adapter
+
+    def response_model(self, adapter: LoRARequest | None) -> str:
+        """What a response's `model` says: the adapter's name, or the served model's."""
+        return self.model_name if adapter is None else adapter.lora_name
 
 
 def request_id_of(request: Request, prefix: str) -> tuple[str, str]:
@@ -130,6 +164,7 @@ async def open_call(
     params: SamplingParams,
     priority: int,
     cache_salt: str | None,
+    lora_request: LoRARequest | None = None,
 ) -> Call:
     """One HTTP call's engine requests, one per prompt, admitted and handed to the engine by
     the server core (as gRPC's are); bad input raises InvalidParamError naming OpenAI's field."""
@@ -141,7 +176,12 @@ async def open_call(
         return param_error(exc, table, prefix)
 
     call = Call(ctx.state, "http", ids, tenant)
-    await call.open(prompts, params, priority, cache_salt, invalid=invalid)
+    try:
+        await call.open(
+            prompts, params, priority, cache_salt, invalid=invalid, lora_request=lora_request
+        )
+    except LoRANotFoundError as exc:  # unloaded since the name was resolved: `model`'s 404
+        raise ModelNotFoundError(str(exc)) from None
     return call
 
 

@@ -109,7 +109,8 @@ async def create_chat_completion(
     ctx: HttpContext, body: protocol.ChatRequest, request: Request
 ) -> Response:
     tenant = ctx.authorize(request)
-    ctx.check_model(body.model)
+    adapter = ctx.resolve_model(body.model)
+    model = ctx.response_model(adapter)
     if body.tools:
         raise UnsupportedParamError("tools", "tool calling is not supported")
     check_supported(body)
@@ -136,13 +137,13 @@ async def create_chat_completion(
     )
     request_id, response_id = request_id_of(request, "chatcmpl")
     call = await open_call(
-        ctx, request_id, tenant, table, [prompt], params, body.priority, body.cache_salt
+        ctx, request_id, tenant, table, [prompt], params, body.priority, body.cache_salt, adapter
     )
     created = int(time.time())
     headers = {"x-request-id": request_id}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _Chunks(ctx, response_id, created, include_usage)
+        chunks = _Chunks(response_id, created, model, include_usage)
         return event_stream(ctx, call, _events(ctx, call, chunks, params.n, num_top), headers)
     finals = await call_finals(call, request)
     if finals is None:
@@ -151,7 +152,7 @@ async def create_chat_completion(
     response = protocol.ChatCompletion(
         id=response_id,
         created=created,
-        model=ctx.model_name,
+        model=model,
         choices=choices,
         usage=call_usage(call),
     )
@@ -178,8 +179,8 @@ async def _choice(
 class _Chunks:
     """Frames of one streamed chat completion."""
 
-    def __init__(self, ctx: HttpContext, response_id: str, created: int, include_usage: bool):
-        self._ctx, self._id, self._created = ctx, response_id, created
+    def __init__(self, response_id: str, created: int, model: str, include_usage: bool):
+        self._id, self._created, self._model = response_id, created, model
         self.include_usage = include_usage
 
     def frame(
@@ -188,7 +189,7 @@ class _Chunks:
         chunk = protocol.ChatCompletionChunk(
             id=self._id,
             created=self._created,
-            model=self._ctx.model_name,
+            model=self._model,
             choices=choices,
             usage=usage,
         )

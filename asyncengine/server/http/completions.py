@@ -41,6 +41,7 @@ class _Plan:
 
     response_id: str
     created: int
+    model: str  # what the response says it came from: the served model or the adapter
     num_samples: int
     num_top: int | None  # logprobs=k
     echo: bool
@@ -58,7 +59,7 @@ async def create_completion(
     ctx: HttpContext, body: protocol.CompletionRequest, request: Request
 ) -> Response:
     tenant = ctx.authorize(request)
-    ctx.check_model(body.model)
+    adapter = ctx.resolve_model(body.model)
     if body.suffix:
         raise UnsupportedParamError("suffix", "is not supported")
     if body.best_of is not None and body.best_of != (body.n or 1):
@@ -88,6 +89,7 @@ async def create_completion(
     plan = _Plan(
         response_id,
         int(time.time()),
+        ctx.response_model(adapter),
         params.n,
         body.logprobs,
         echo,
@@ -98,7 +100,7 @@ async def create_completion(
     if not body.add_special_tokens:
         prompts = await _encoded_as_they_are(ctx, prompts)
     call = await open_call(
-        ctx, request_id, tenant, table, prompts, params, body.priority, body.cache_salt
+        ctx, request_id, tenant, table, prompts, params, body.priority, body.cache_salt, adapter
     )
     headers = {"x-request-id": request_id}
     if body.stream:
@@ -117,7 +119,7 @@ async def create_completion(
     response = protocol.Completion(
         id=response_id,
         created=plan.created,
-        model=ctx.model_name,
+        model=plan.model,
         choices=choices,
         usage=call_usage(call, 0 if is_echo_only else None),
     )
@@ -205,7 +207,7 @@ async def _events(
                     chunk = protocol.Completion(
                         id=plan.response_id,
                         created=plan.created,
-                        model=ctx.model_name,
+                        model=plan.model,
                         choices=[choice],
                         usage=None,
                     )
@@ -214,7 +216,7 @@ async def _events(
             chunk = protocol.Completion(
                 id=plan.response_id,
                 created=plan.created,
-                model=ctx.model_name,
+                model=plan.model,
                 choices=[],
                 usage=call_usage(call, 0 if plan.is_echo_only else None),
             )

@@ -19,10 +19,17 @@ from asyncengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
+    LoRAInUseError,
+    LoRANotFoundError,
     RequestFailedError,
 )
 from asyncengine.logging import get_logger
-from asyncengine.server.errors import ServerDrainingError, UnauthenticatedError
+from asyncengine.server.errors import (
+    DuplicateLoRAError,
+    PermissionDeniedError,
+    ServerDrainingError,
+    UnauthenticatedError,
+)
 
 logger = get_logger(__name__)
 
@@ -81,6 +88,8 @@ def _classify(
     """(status, type, param, code, headers) of `exc`."""
     if isinstance(exc, DuplicateRequestError):
         return 409, "invalid_request_error", "x-request-id", "duplicate_request_id", None
+    if isinstance(exc, DuplicateLoRAError):  # vLLM's 400 for a name loaded already
+        return 400, "invalid_request_error", exc.field, "lora_already_loaded", None
     if isinstance(exc, UnsupportedParamError):
         return 400, "invalid_request_error", exc.field, "unsupported_parameter", None
     if isinstance(exc, ContextLengthError | ContextLengthExceededError):
@@ -94,6 +103,12 @@ def _classify(
         return 413, "invalid_request_error", None, "request_too_large", {"Connection": "close"}
     if isinstance(exc, UnauthenticatedError):
         return 401, "authentication_error", None, "invalid_api_key", None
+    if isinstance(exc, PermissionDeniedError):
+        return 403, "permission_error", None, "control_disabled", None
+    if isinstance(exc, LoRANotFoundError):
+        return 404, "invalid_request_error", "lora_name", "lora_not_found", None
+    if isinstance(exc, LoRAInUseError):
+        return 409, "invalid_request_error", "lora_name", "lora_in_use", None
     if isinstance(exc, ModelNotFoundError):
         # 404 with OpenAI's type: wrappers branch on type and code, not on the status
         return 404, "invalid_request_error", "model", "model_not_found", None

@@ -200,6 +200,19 @@ class DetokenizeRequest(Lenient):
     tokens: TokenIds
 
 
+class LoadLoRAAdapterRequest(Lenient):
+    endpoint: ClassVar[str] = "/v1/load_lora_adapter"
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(Lenient):
+    endpoint: ClassVar[str] = "/v1/unload_lora_adapter"
+
+    lora_name: str
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 
@@ -296,7 +309,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "asyncengine"
-    root: str
+    root: str  # the model's path; an adapter's directory
+    parent: str | None = None  # an adapter's base model (its id in this list)
     max_model_len: int
 
 

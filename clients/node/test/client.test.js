@@ -57,6 +57,22 @@ describe('asyncengine client', { skip }, () => {
     assert.ok(server.version);
   });
 
+  test('LoRA adapters: listed, refused without run-time updates, unknown by name', async () => {
+    // the test server runs without --enable-lora: none are listed and none may be loaded
+    assert.deepEqual((await client.listLoRAs()).adapters, []);
+    await assert.rejects(client.loadLoRA({ loraName: 'sql', loraPath: '/adapters/sql' }), (err) => {
+      assert.equal(err.code, status.FAILED_PRECONDITION);
+      return true;
+    });
+    await assert.rejects(client.unloadLoRA('sql'), (err) => err.code === status.FAILED_PRECONDITION);
+    const call = client.generateStream({ ...GREEDY, loraName: 'sql' });
+    await assert.rejects(collect(call), (err) => {
+      assert.equal(err.code, status.NOT_FOUND);
+      assert.match(err.details, /'sql'/);
+      return true;
+    });
+  });
+
   test('stream: Accepted, Deltas, Finished, Usage, and the text of unary Generate', async () => {
     const responses = await collect(client.generateStream(GREEDY));
     const events = responses.map((r) => r.event);

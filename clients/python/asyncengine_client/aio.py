@@ -169,6 +169,29 @@ class AsyncClient:
         request = control_pb2.GetServerInfoRequest()
         return results.server_info(await self._unary(self._control.GetServerInfo, request, timeout))
 
+    async def load_lora(
+        self, lora_name: str, lora_path: str, *, timeout: float | None = None
+    ) -> results.LoRAAdapter:
+        """Load the PEFT adapter in `lora_path` (on the server's host) as `lora_name`; needs a
+        server with --allow-runtime-lora-updating and a Control token."""
+        request = control_pb2.LoadLoRARequest(lora_name=lora_name, lora_path=lora_path)
+        msg = await self._unary(self._control.LoadLoRA, request, timeout)
+        return results.from_proto(results.LoRAAdapter, msg)
+
+    async def unload_lora(
+        self, lora_name: str, *, timeout: float | None = None
+    ) -> results.LoRAAdapter:
+        """Unload an adapter; FAILED_PRECONDITION (LORA_IN_USE) while requests still use it."""
+        request = control_pb2.UnloadLoRARequest(lora_name=lora_name)
+        msg = await self._unary(self._control.UnloadLoRA, request, timeout)
+        return results.from_proto(results.LoRAAdapter, msg.adapter)
+
+    async def list_loras(self, *, timeout: float | None = None) -> list[results.LoRAAdapter]:
+        """The adapters the server serves, in load order."""
+        request = control_pb2.ListLoRAsRequest()
+        msg = await self._unary(self._control.ListLoRAs, request, timeout)
+        return [results.from_proto(results.LoRAAdapter, a) for a in msg.adapters]
+
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status of `service` ("" is the whole server): "SERVING", ..."""
         msg = await self._unary(self._health_check, service, timeout, NO_RETRY)

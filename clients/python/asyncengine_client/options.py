@@ -57,6 +57,8 @@ class GenerateOptions:
     priority: int = 0
     # prefix-cache isolation: requests share cached prompt K/V only with the same salt
     cache_salt: str = ""
+    # the LoRA adapter to generate with (its name on the server); "" is the base model
+    lora_name: str = ""
 
     def sampling(self) -> pb.SamplingOptions:
         return pb.SamplingOptions(
@@ -99,6 +101,7 @@ def stream_request(
         request_id=request_id,
         priority=options.priority,
         cache_salt=options.cache_salt,
+        lora_name=options.lora_name,
         sampling=options.sampling(),
         stopping=options.stopping(),
         response=options.response(),
@@ -123,6 +126,7 @@ def batch_request(
         ],
         priority=options.priority,
         cache_salt=options.cache_salt,
+        lora_name=options.lora_name,
         sampling=options.sampling(),
         stopping=options.stopping(),
         response=options.response(),

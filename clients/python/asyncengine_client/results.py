@@ -147,6 +147,16 @@ class ModelInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRAAdapter:
+    """A LoRA adapter the server serves: requests give `lora_name` to generate with it."""
+
+    lora_name: str
+    lora_id: int
+    lora_path: str
+    base_model_name: str
+
+
+@dataclasses.dataclass(frozen=True)
 class LoadReport:
     running: int
     waiting: int

@@ -161,6 +161,26 @@ class Client:
         request = control_pb2.GetServerInfoRequest()
         return results.server_info(self._unary(self._control.GetServerInfo, request, timeout))
 
+    def load_lora(
+        self, lora_name: str, lora_path: str, *, timeout: float | None = None
+    ) -> results.LoRAAdapter:
+        """Load the PEFT adapter in `lora_path` (on the server's host) as `lora_name`; needs a
+        server with --allow-runtime-lora-updating and a Control token."""
+        request = control_pb2.LoadLoRARequest(lora_name=lora_name, lora_path=lora_path)
+        msg = self._unary(self._control.LoadLoRA, request, timeout)
+        return results.from_proto(results.LoRAAdapter, msg)
+
+    def unload_lora(self, lora_name: str, *, timeout: float | None = None) -> results.LoRAAdapter:
+        """Unload an adapter; FAILED_PRECONDITION (LORA_IN_USE) while requests still use it."""
+        request = control_pb2.UnloadLoRARequest(lora_name=lora_name)
+        msg = self._unary(self._control.UnloadLoRA, request, timeout)
+        return results.from_proto(results.LoRAAdapter, msg.adapter)
+
+    def list_loras(self, *, timeout: float | None = None) -> list[results.LoRAAdapter]:
+        """The adapters the server serves, in load order."""
+        msg = self._unary(self._control.ListLoRAs, control_pb2.ListLoRAsRequest(), timeout)
+        return [results.from_proto(results.LoRAAdapter, a) for a in msg.adapters]
+
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status of `service` ("" is the whole server): "SERVING", ..."""
         return health_status(self._unary(self._health_check, service, timeout, NO_RETRY))

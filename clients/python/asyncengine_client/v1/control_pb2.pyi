@@ -122,3 +122,45 @@ class ResumeResponse(_message.Message):
     WAS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     was_draining: bool
     def __init__(self, was_draining: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRARequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("lora_name", "lora_id", "lora_path", "base_model_name")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_id: int
+    lora_path: str
+    base_model_name: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_id: _Optional[int] = ..., lora_path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRARequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoRAAdapter
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class ListLoRAsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLoRAsResponse(_message.Message):
+    __slots__ = ("adapters",)
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    def __init__(self, adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ...) -> None: ...

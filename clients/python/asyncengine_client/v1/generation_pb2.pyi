@@ -98,7 +98,7 @@ class ResponseOptions(_message.Message):
     def __init__(self, return_token_ids: _Optional[bool] = ..., logprobs: _Optional[int] = ..., echo_prompt: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "request_id", "priority", "sampling", "stopping", "response", "cache_salt", "json_schema", "json_object", "regex", "grammar", "choice", "disable_any_whitespace")
+    __slots__ = ("text", "token_ids", "request_id", "priority", "sampling", "stopping", "response", "cache_salt", "json_schema", "json_object", "regex", "grammar", "choice", "disable_any_whitespace", "lora_name")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class GenerateRequest(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     request_id: str
@@ -127,7 +128,8 @@ class GenerateRequest(_message.Message):
     grammar: str
     choice: Choices
     disable_any_whitespace: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., disable_any_whitespace: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., disable_any_whitespace: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -256,7 +258,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., queue_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., decode_time_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., sequence_number: _Optional[int] = ...) -> None: ...
 
 class GenerateBatchRequest(_message.Message):
-    __slots__ = ("prompts", "priority", "sampling", "stopping", "response", "cache_salt", "json_schema", "json_object", "regex", "grammar", "choice", "disable_any_whitespace")
+    __slots__ = ("prompts", "priority", "sampling", "stopping", "response", "cache_salt", "json_schema", "json_object", "regex", "grammar", "choice", "disable_any_whitespace", "lora_name")
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +271,7 @@ class GenerateBatchRequest(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     DISABLE_ANY_WHITESPACE_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     priority: int
     sampling: SamplingOptions
@@ -281,7 +284,8 @@ class GenerateBatchRequest(_message.Message):
     grammar: str
     choice: Choices
     disable_any_whitespace: bool
-    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., disable_any_whitespace: _Optional[bool] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., priority: _Optional[int] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., stopping: _Optional[_Union[StoppingOptions, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., cache_salt: _Optional[str] = ..., json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., disable_any_whitespace: _Optional[bool] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stop_string", "stop_token_id", "logprobs", "usage")
