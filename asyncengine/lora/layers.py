@@ -78,13 +78,12 @@ class LoRAStacks:
         tp: TensorParallelGroup | None = None,
     ) -> None:
         self.targets = projection_targets(model)
-        self.num_layers = len(model.model.layers)
-        self.max_loras, self.max_rank, self.tp = max_loras, max_rank, tp
+        self.tp = tp
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
         # each slot's scaling per module (0 where it is not targeted): the kernels read it
         self.scalings: dict[tuple[int, str], torch.Tensor] = {}
-        for layer in range(self.num_layers):
+        for layer in range(len(model.model.layers)):
             for target in (t for group in self.targets.values() for t in group):
                 key = (layer, target.module)
                 shape_a = (max_loras, max_rank, target.num_in)

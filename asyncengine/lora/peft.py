@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,17 +48,6 @@ class LoRAWeights:
 
     lora_int_id: int
     modules: dict[tuple[int, str], LoRAModule] = field(default_factory=dict)
-
-    @property
-    def rank(self) -> int:
-        return max((m.rank for m in self.modules.values()), default=0)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(
-            m.a.numel() * m.a.element_size() + m.b.numel() * m.b.element_size()
-            for m in self.modules.values()
-        )
 
 
 def load_adapter(
@@ -133,7 +123,8 @@ def _read_config(directory: Path) -> dict[str, Any]:
     return config
 
 
-def _scaling_rule(config: dict[str, Any]) -> Any:
+def _scaling_rule(config: dict[str, Any]) -> Callable[[int], float]:
+    """A module's scaling from its rank."""
     alpha = float(config.get("lora_alpha", config.get("r", 8)))
     if config.get("use_rslora"):
         return lambda rank: alpha / math.sqrt(rank)
