@@ -14,7 +14,7 @@ over the ranks like its base output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,9 +63,6 @@ def projection_targets(model: Any) -> dict[str, list[_Target]]:
 
 
 _ROW_PARALLEL = ("o_proj", "down_proj")
-# segments of at most this many rows (decodes) are batched into one gathered product per
-# module: with many adapters, a pair of matmuls per segment costs more in calls than in math
-_GATHERED_MAX_ROWS = 4
 
 
 class LoRAStacks:
@@ -125,24 +122,6 @@ class LoRABatch:
     stacks: LoRAStacks
     segments: list[tuple[int, int, int]]  # (first row, end row, slot); base rows in none
     row_slots: torch.Tensor | None = None
-    # the rows of short segments and their slots, computed in one gathered product
-    gathered: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
-    long_segments: list[tuple[int, int, int]] = field(default_factory=list, init=False)
-
-    def __post_init__(self) -> None:
-        rows: list[int] = []
-        slots: list[int] = []
-        for start, end, slot in self.segments:
-            if end - start > _GATHERED_MAX_ROWS:
-                self.long_segments.append((start, end, slot))
-            else:
-                rows += range(start, end)
-                slots += [slot] * (end - start)
-        if len(slots) > 1:
-            device = next(iter(self.stacks.a.values())).device
-            self.gathered = (torch.tensor(rows, device=device), torch.tensor(slots, device=device))
-        else:  # one row: a segment of its own costs no more
-            self.long_segments = self.segments
 
     def add(self, out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> None:
         """out[rows] += each segment's delta of `projection` (in place)."""
@@ -174,9 +153,7 @@ class LoRABatch:
         self, delta: torch.Tensor, x: torch.Tensor, layer: int, projection: str
     ) -> None:
         stacks = self.stacks
-        if self.gathered is not None:
-            self._add_gathered(delta, x, layer, projection)
-        for start, end, slot in self.long_segments:
+        for start, end, slot in self.segments:
             modules = stacks.slot_modules[slot]
             rows = x[start:end]
             for target in stacks.targets[projection]:
@@ -188,22 +165,6 @@ class LoRABatch:
                 delta[start:end, target.offset : target.offset + target.num_out].addmm_(
                     shrunk, stacks.b[key][slot, :, :rank].T, alpha=scaling
                 )
-
-    def _add_gathered(
-        self, delta: torch.Tensor, x: torch.Tensor, layer: int, projection: str
-    ) -> None:
-        """The short segments' rows at once, each with its slot's A and B gathered (padded to
-        max_lora_rank with zeros, which add nothing)."""
-        assert self.gathered is not None
-        rows, slots = self.gathered
-        stacks, inputs = self.stacks, x[rows].unsqueeze(-1)
-        for target in stacks.targets[projection]:
-            key = (layer, target.module)
-            shrunk = torch.bmm(stacks.a[key][slots], inputs)
-            update = torch.bmm(stacks.b[key][slots], shrunk).squeeze(-1)
-            update *= stacks.scalings[key][slots].unsqueeze(-1).to(update.dtype)
-            columns = delta[:, target.offset : target.offset + target.num_out]
-            columns[rows] += update
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
