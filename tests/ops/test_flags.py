@@ -75,12 +75,15 @@ def test_the_served_name_defaults_to_the_model_directory_name(tmp_path: Path) ->
 
 
 class _Engine:
-    """What ServerState reads of an engine to size messages."""
+    """What ServerState reads of an engine to name the model and size messages."""
 
     def __init__(self, max_model_len: int, max_prompt_bytes: int) -> None:
         self.max_model_len = max_model_len
         scheduler_config = type("SchedulerConfig", (), {"max_prompt_bytes": max_prompt_bytes})
-        self.config = type("Config", (), {"scheduler_config": scheduler_config})
+        model_config = type("ModelConfig", (), {"model": "tiny-llama"})
+        self.config = type(
+            "Config", (), {"scheduler_config": scheduler_config, "model_config": model_config}
+        )
 
 
 def _max_message_size(max_model_len: int, *flags: str) -> int:
