@@ -314,3 +314,20 @@ def test_the_lora_flags_set_the_engine_args() -> None:
         True, 4, 32, 8,
     )  # fmt: skip
     assert not engine_args_from(parser.parse_args([])).enable_lora
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tensor_parallel_size_2_with_forced_swaps_matches_peft(
+    family: str, model_dir: ModelDirFactory, adapters: Callable[[Path], list[LoRARequest]]
+) -> None:
+    path = model_dir(family)
+    llm = make_llm(
+        path, tensor_parallel_size=2, max_loras=2, block_size=8, num_gpu_blocks_override=8,
+        preemption_mode="swap",
+    )  # fmt: skip
+    try:
+        assert_matches_peft(llm, path, adapters(path))
+        stats = llm.get_stats()
+        assert stats.num_preemptions_swap > 0 and stats.num_lora_evictions > 0
+    finally:
+        llm.shutdown()

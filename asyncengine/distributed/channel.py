@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.distributed.parallel_state import TensorParallelGroup
+from asyncengine.lora.peft import SUPPORTED_MODULES, LoRAModule, LoRAWeights
 from asyncengine.worker.forward_context import AttentionMetadata
 
 _HEADER_LEN = 4  # kind, payload length, two arguments
@@ -45,6 +47,7 @@ class Kind(enum.IntEnum):
     MOVES = 4  # block moves of a step without a forward
     LOGITS = 5  # args: rows, hidden size; the rows follow on the device group
     SHUTDOWN = 6
+    LOAD_LORA = 7  # args: slot, modules; scalings, then each module's A and B follow
 
 
 @dataclasses.dataclass
@@ -62,6 +65,8 @@ class StepInputs:
     input_ids: torch.Tensor | None = None  # None: no forward this step
     positions: torch.Tensor | None = None
     attn_metadata: AttentionMetadata | None = None
+    # the forward's LoRA segments (first row, end row, slot); empty: no adapter in it
+    lora_segments: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
 
 
 class ControlChannel:
@@ -76,6 +81,10 @@ class ControlChannel:
 
     def _broadcast_ints(self, values: torch.Tensor) -> None:
         dist.broadcast(values, src=0, group=self.tp.control_group)
+
+    def _broadcast_host(self, tensor: torch.Tensor) -> None:
+        """A host tensor of any dtype on the control group (an adapter's weights)."""
+        dist.broadcast(tensor, src=0, group=self.tp.control_group)
 
     def _broadcast_device(self, tensor: torch.Tensor) -> None:
         dist.broadcast(tensor, src=0, group=self.tp.device_group)
@@ -101,10 +110,12 @@ class ControlChannel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
+        lora_segments: Sequence[tuple[int, int, int]] = (),
     ) -> None:
         num_tokens, (num_seqs, max_blocks) = len(input_ids), meta.block_tables.shape
         ints = [num_seqs, max_blocks, meta.num_decodes, meta.max_seq_len]
         ints += _encode_moves(moves) + meta.query_start_loc + meta.context_lens
+        ints += [len(lora_segments), *(i for segment in lora_segments for i in segment)]
         per_token = torch.cat(
             [input_ids, positions, meta.slot_mapping, meta.block_tables.flatten().long()]
         )
@@ -114,6 +125,35 @@ class ControlChannel:
         else:
             self.send(Kind.STEP, (num_tokens, len(per_token)), header)
             self._broadcast_device(per_token)
+
+    def send_lora(self, slot: int, weights: LoRAWeights) -> None:
+        """An adapter for a LoRA slot: its whole tensors (each rank keeps its shard)."""
+        modules = sorted(weights.modules.items())
+        ints = [weights.lora_int_id]
+        for (layer, module), lora in modules:
+            index = SUPPORTED_MODULES.index(module)
+            ints += [layer, index, lora.rank, lora.b.shape[0], lora.a.shape[1]]
+        self.send(Kind.LOAD_LORA, (slot, len(modules)), torch.tensor(ints, dtype=torch.long))
+        scalings = [lora.scaling for _, lora in modules]
+        self._broadcast_host(torch.tensor(scalings, dtype=torch.float64))
+        for _, lora in modules:
+            self._broadcast_host(lora.a)
+            self._broadcast_host(lora.b)
+
+    def recv_lora(self, message: Message) -> tuple[int, LoRAWeights]:
+        (slot, num_modules), ints = message.args, message.payload.tolist()
+        scalings = torch.empty(num_modules, dtype=torch.float64)
+        self._broadcast_host(scalings)
+        weights = LoRAWeights(ints[0])
+        for i in range(num_modules):
+            layer, module, rank, num_out, num_in = ints[1 + 5 * i : 6 + 5 * i]
+            a = torch.empty(rank, num_in, dtype=self.dtype)
+            b = torch.empty(num_out, rank, dtype=self.dtype)
+            self._broadcast_host(a)
+            self._broadcast_host(b)
+            key = (layer, SUPPORTED_MODULES[module])
+            weights.modules[key] = LoRAModule(a, b, float(scalings[i]))
+        return slot, weights
 
     def send_moves(self, moves: SchedulerOutput) -> None:
         self.send(Kind.MOVES, payload=torch.tensor(_encode_moves(moves), dtype=torch.long))
@@ -146,6 +186,10 @@ class ControlChannel:
         lengths = payload[at : at + 2 * num_seqs + 1].tolist()
         query_start_loc, context_lens = lengths[: num_seqs + 1], lengths[num_seqs + 1 :]
         at += 2 * num_seqs + 1
+        num_segments = int(payload[at])
+        flat = payload[at + 1 : at + 1 + 3 * num_segments].tolist()
+        lora_segments = list(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
+        at += 1 + 3 * num_segments
         if self.device == "cpu":
             per_token = payload[at : at + num_per_token]
         else:
@@ -168,7 +212,7 @@ class ControlChannel:
             num_decodes=num_decodes,
             max_seq_len=max_seq_len,
         )
-        return StepInputs(moves, input_ids, positions, meta)
+        return StepInputs(moves, input_ids, positions, meta, lora_segments)
 
     def recv_hidden(self, message: Message) -> torch.Tensor:
         num_rows, hidden_size = message.args

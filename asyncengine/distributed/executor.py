@@ -123,6 +123,8 @@ class TensorParallelExecutor:
         with self._collectives():
             has_moves = plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy
             self._pending_moves = plan if has_moves else None
+            for slot, weights in plan.lora_loads.items():
+                self.channel.send_lora(slot, weights)
             try:
                 output = self.runner.execute_model(plan, fill_grammar_masks)
                 if self._pending_moves is not None:  # no forward ran to carry them
@@ -134,8 +136,9 @@ class TensorParallelExecutor:
     def send_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Called by the driver's model as its forward starts: the workers run theirs."""
         moves, self._pending_moves = self._pending_moves, None
-        meta = get_forward_context().attn_metadata
-        self.channel.send_step(moves, input_ids, positions, meta)
+        context = get_forward_context()
+        segments = context.lora.segments if context.lora is not None else []
+        self.channel.send_step(moves, input_ids, positions, context.attn_metadata, segments)
 
     # -- health and shutdown ---------------------------------------------------------------------
 

@@ -157,8 +157,13 @@ def _serve(runner: ModelRunner, tp: TensorParallelGroup) -> None:
             assert runner.cache_engine is not None
             runner.cache_engine.apply(step.moves)
             if step.attn_metadata is not None:
-                with set_forward_context(step.attn_metadata, runner.cache_engine.gpu_cache):
+                assert step.input_ids is not None
+                lora = runner.lora_batch(step.lora_segments, len(step.input_ids))
+                cache = runner.cache_engine.gpu_cache
+                with set_forward_context(step.attn_metadata, cache, lora):
                     runner.model(step.input_ids, step.positions)
+        elif message.kind is Kind.LOAD_LORA:
+            runner.load_loras(dict([channel.recv_lora(message)]))
         elif message.kind is Kind.LOGITS:
             runner.model.compute_logits(channel.recv_hidden(message))
 

@@ -407,9 +407,17 @@ class ModelRunner:
         row_slots = []
         for req in reqs:
             row_slots += [slots.get(req.lora_int_id, -1)] * num_new[req.request_id]
+        return self.lora_batch(lora_segments(row_slots), len(row_slots))
+
+    def lora_batch(self, segments: list[tuple[int, int, int]], num_rows: int) -> LoRABatch | None:
+        """The forward's LoRA rows (`segments` of `num_rows`); None when no adapter runs."""
+        if self.lora_stacks is None or not segments:
+            return None
+        row_slots = None
         # the Triton kernels where attention runs them (CUDA), else grouped matmuls
-        use_kernels = self.config.device_config.attention_backend == "triton"
-        slots_tensor = None
-        if use_kernels:
-            slots_tensor = torch.tensor(row_slots, dtype=torch.int32, device=self.device)
-        return LoRABatch(self.lora_stacks, lora_segments(row_slots), slots_tensor)
+        if self.config.device_config.attention_backend == "triton":
+            slots = torch.full((num_rows,), -1, dtype=torch.int32)
+            for start, end, slot in segments:
+                slots[start:end] = slot
+            row_slots = slots.to(self.device)
+        return LoRABatch(self.lora_stacks, segments, row_slots)
