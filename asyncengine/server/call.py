@@ -10,7 +10,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from asyncengine.engine.request_stream import RequestStream
-from asyncengine.errors import DuplicateRequestError, EngineOverloadedError, InvalidRequestError
+from asyncengine.errors import (
+    DuplicateRequestError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    LoRANotFoundError,
+)
 from asyncengine.logging import get_logger
 from asyncengine.lora.request import LoRARequest
 from asyncengine.outputs import CompletionOutput, FinishReason, RequestOutput
@@ -148,6 +153,12 @@ class Call:
                 # twice (refused with "289 admitted; the limit is 288") or not at all
                 num_entering -= 1
                 state.entered()
+                # unloaded since the caller named it: the engine would load it again
+                if (
+                    lora_request is not None
+                    and state.adapters.get(lora_request.lora_name) != lora_request
+                ):
+                    raise LoRANotFoundError(lora_request.lora_name)
                 try:
                     stream = await state.engine.add_request(
                         flight.engine_id,

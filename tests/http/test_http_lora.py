@@ -23,7 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving_http import ServerThread, http_server
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from asyncengine import testing
+from asyncengine import SamplingParams, testing
+from asyncengine.errors import LoRANotFoundError
+from asyncengine.server.call import Call
 from asyncengine.v1 import control_pb2, control_pb2_grpc, generation_pb2, generation_pb2_grpc
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -275,6 +277,24 @@ def test_unloading_an_adapter_in_use_is_refused_and_its_stream_finishes_whole(
     assert [c.choices[0].finish_reason for c in rest if c.choices][-1] == "length"
     server.wait_idle()
     assert unload(server, "busy").status_code == 200
+
+
+def test_a_request_for_an_adapter_unloaded_since_it_was_named_is_not_found(
+    server: ServerThread, adapters: dict[str, Path], prompt_ids: list[int]
+) -> None:
+    """The engine loads an adapter a request brings that it does not have; the server must not
+    let a request resolved before an unload bring the adapter back."""
+    assert load(server, "brief", adapters["sql"]).status_code == 200
+    stale = server.run(lambda: server.state.adapters.get("brief"))
+    assert unload(server, "brief").status_code == 200
+
+    async def open_stale() -> None:
+        call = Call(server.state, "grpc", ["stale"])
+        await call.open([prompt_ids], SamplingParams(max_tokens=1), lora_request=stale)
+
+    with pytest.raises(LoRANotFoundError, match="'brief'"):
+        server.call(open_stale())
+    assert server.run(lambda: server.state.adapters.get("brief")) is None
 
 
 def test_run_time_updates_need_the_control_token(
