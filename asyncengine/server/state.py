@@ -95,7 +95,6 @@ class ServerState:
         self.is_stopping = False  # set by shutdown: its drain is final, no Resume undoes it
         self._resumed = asyncio.Event()  # a new one per drain; Resume sets it
         self.tenants = Tenants.from_options(options)
-        self.adapters = LoRAAdapters(engine, self.model_names, options.allow_runtime_lora_updating)
         self.metrics: ServerMetrics | None = None
         self._readiness_listeners: list[ReadinessListener] = []
         self._num_entering = 0  # admitted, not yet the engine's
@@ -108,6 +107,12 @@ class ServerState:
         """The name /v1/models, GetModelInfo, responses and the metrics give the model."""
         path = self.engine.config.model_config.model
         return self.options.served_model_name or default_served_model_name(path)
+
+    @functools.cached_property
+    def adapters(self) -> LoRAAdapters:
+        """The LoRA adapters served by name: both front ends resolve, load and unload them here."""
+        allow_updates = self.options.allow_runtime_lora_updating
+        return LoRAAdapters(self.engine, self.model_names, allow_updates)
 
     @functools.cached_property
     def max_message_size(self) -> int:
