@@ -510,7 +510,7 @@ def test_a_busy_front_gets_every_token_in_order_in_fewer_messages_than_steps(mod
         if is_front_busy:
             client = engine.core
             assert isinstance(client, MPClient)
-            while client.num_steps == 0:
+            while client.num_steps == 0 and not any(task.done() for task in tasks):
                 await asyncio.sleep(0.001)
             time.sleep(0.5)  # the loop blocked: the engine's remaining steps take ~0.1 s
         results = await asyncio.gather(*tasks)
@@ -536,6 +536,39 @@ def test_a_busy_front_gets_every_token_in_order_in_fewer_messages_than_steps(mod
             out.outputs[0].text for out in want
         )
         assert outs[-1].outputs[0].finish_reason == "length"
+
+
+def _late_to_read(args: EngineArgs) -> Any:
+    """Scripted tokens; the engine process starts its loop (and its reader) 1.5 s after it
+    says Ready, as a loaded machine schedules it late."""
+    from asyncengine.engine import core_process
+
+    init = core_process._Core.__init__
+
+    def late_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        time.sleep(1.5)
+        init(self, *args, **kwargs)
+
+    core_process._Core.__init__ = late_init  # type: ignore[method-assign]
+    return hooked_llm_engine(args, fake_runner=True)
+
+
+def test_a_request_sent_the_moment_the_engine_is_ready_waits_for_it(model_dir) -> None:
+    """The parent sends its first request before the engine process reads: it waits in the
+    channel, and is served (it was "the engine is dead": no peer took the message yet)."""
+    args = engine_args(model_dir, block_size=8, num_gpu_blocks_override=64)
+    engine = process_engine(args, _late_to_read)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    try:
+        started = time.monotonic()
+        outs = uvloop.run(collect(engine, [5, 9, 200, 31], params, "first"))
+        waited_s = time.monotonic() - started
+        assert_nothing_left(engine)
+    finally:
+        asyncio.run(engine.shutdown())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert len(outs[-1].outputs[0].token_ids) == 6
+    assert waited_s > 0.5  # it was sent while the engine process was not reading yet
 
 
 # -- liveness: a heartbeat, not the steps, says the engine process is alive ----------------------

@@ -4,8 +4,9 @@ The child owns the `LLMEngine` (scheduler, KV cache, model, detokenizer) and ste
 is work; the front process keeps validation, tokenizing and the callers' streams. They share
 two ZMQ sockets (engine/messages.py says what crosses):
 
-- input (PULL): requests and aborts, read by a thread of its own into a queue, so the parent
-  is never held up by a step; the loop takes what is queued between steps.
+- input (PULL, bound by the child before it says Ready): requests and aborts, read by a thread
+  of its own into a queue, so the parent is never held up by a step; the loop takes what is
+  queued between steps.
 - output (PUSH): each step's outputs in one message, sent by the loop; while the parent has
   not taken the last one (`OutputsTaken`), the steps made meanwhile go in the next one.
 
@@ -123,6 +124,10 @@ def run_engine_core(factory: CoreFactory, args: EngineArgs, options: CoreProcess
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     context = zmq.Context()
     output = _push(context, options.output_address)
+    # bound before Ready: what the parent sends from then on waits here for the reader
+    input_sock = context.socket(zmq.PULL)
+    input_sock.setsockopt(zmq.RCVHWM, 0)
+    input_sock.bind(options.input_address)
     encoder = msgspec.msgpack.Encoder()
     monitor = _Monitor(context, options, options.parent_pid)
     try:
@@ -139,7 +144,7 @@ def run_engine_core(factory: CoreFactory, args: EngineArgs, options: CoreProcess
     stats = engine.get_stats()
     ready = Ready(engine.vocab_size, engine.eos_token_ids, stats.num_gpu_blocks, stats)
     output.send(encoder.encode(ready))
-    core = _Core(engine, context, output, monitor, options)
+    core = _Core(engine, input_sock, output, monitor)
     try:
         core.run()
     except BaseException as exc:
@@ -198,10 +203,9 @@ class _Core:
     def __init__(
         self,
         engine: LLMEngine,
-        context: zmq.Context[Any],
+        input_sock: zmq.Socket[Any],
         output: zmq.Socket[Any],
         monitor: _Monitor,
-        options: CoreProcessOptions,
     ) -> None:
         self.engine = engine
         self.output = output
@@ -216,9 +220,6 @@ class _Core:
         self.batch = OutputBatch()  # outputs made while the parent has not taken the last
         self.is_sent_untaken = False  # a StepOutputs went out and no OutputsTaken since
         monitor.on_parent_gone = lambda: self.commands.put(Shutdown())
-        input_sock = context.socket(zmq.PULL)
-        input_sock.setsockopt(zmq.RCVHWM, 0)
-        input_sock.connect(options.input_address)
         threading.Thread(
             target=self._read, args=(input_sock,), name="core-reader", daemon=True
         ).start()

@@ -1,8 +1,11 @@
 """`MPClient`: the core client whose `LLMEngine` steps in a child process (as `serve` runs it).
 
-The parent's side of the channel (the child's is engine/core_process.py). It binds two ZMQ
-sockets: requests and aborts go out on one, sent from the event loop; outputs come back on the
-other, read by a thread of its own that decodes them and hands them to the loop. Once the
+The parent's side of the channel (the child's is engine/core_process.py), two ZMQ sockets.
+Requests and aborts go out on one, sent from the event loop and connected to the child's once
+it is Ready: a connected PUSH queues what it is given (a bound one with no peer yet refuses
+it), so a request sent the moment the child is Ready waits for the child's reader. Outputs
+come back on the other, bound here, read by a thread of its own that decodes them and hands
+them to the loop. Once the
 streams they woke have run, `OutputsTaken` tells the child: until then it gathers its steps
 into one message, so a busy loop takes one message however many steps it missed. The thread
 also watches the child: a process that exits, or that sends nothing (not even a heartbeat) for
@@ -110,8 +113,9 @@ class MPClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._dir = tempfile.mkdtemp(prefix="asyncengine-")
         self._context: zmq.Context[Any] = zmq.Context()
-        self._input = self._bind(zmq.PUSH, "input")
-        self._output = self._bind(zmq.PULL, "output")
+        self._input = self._socket(zmq.PUSH)  # connected once the child has bound its end
+        self._output = self._socket(zmq.PULL)
+        self._output.bind(self._address("output"))
         options = CoreProcessOptions(
             input_address=self._address("input"),
             output_address=self._address("output"),
@@ -136,6 +140,7 @@ class MPClient:
         except BaseException:
             self._close()
             raise
+        self._input.connect(self._address("input"))
         tokenizer = AutoTokenizer.from_pretrained(config.model_config.tokenizer)
         validator = RequestValidator(config, ready.vocab_size, ready.num_gpu_blocks)
         self.front: EngineFront = _Front(
@@ -166,13 +171,12 @@ class MPClient:
     def _address(self, name: str) -> str:
         return f"ipc://{self._dir}/{name}"
 
-    def _bind(self, kind: int, name: str) -> zmq.Socket[Any]:
+    def _socket(self, kind: int) -> zmq.Socket[Any]:
         sock = self._context.socket(kind)
         # no high-water mark: a burst is buffered, never dropped or refused (admission bounds it)
         sock.setsockopt(zmq.SNDHWM if kind == zmq.PUSH else zmq.RCVHWM, 0)
         # nothing left to send once the child is gone: exiting never waits on these
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(self._address(name))
         return sock
 
     def _wait_ready(self) -> Ready:
@@ -305,7 +309,7 @@ class MPClient:
     def _send(self, message: msgspec.Struct) -> None:
         try:
             self._send_now(message)
-        except zmq.ZMQError as exc:  # no child to take it (only when it is gone)
+        except zmq.ZMQError as exc:  # the socket is closed: this client was shut down
             self._dead = self._dead or exc
             self.check_health()
 
