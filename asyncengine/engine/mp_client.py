@@ -5,11 +5,11 @@ Requests and aborts go out on one, sent from the event loop and connected to the
 it is Ready: a connected PUSH queues what it is given (a bound one with no peer yet refuses
 it), so a request sent the moment the child is Ready waits for the child's reader. Outputs
 come back on the other, bound here, read by a thread of its own that decodes them and hands
-them to the loop. Once the
-streams they woke have run, `OutputsTaken` tells the child: until then it gathers its steps
-into one message, so a busy loop takes one message however many steps it missed. The thread
-also watches the child: a process that exits, or that sends nothing (not even a heartbeat) for
-`heartbeat_timeout_s`, is a dead engine, as a crash is; a silent one is killed first.
+them to the loop. Once the streams they woke have run, `OutputsTaken` tells the child: until
+then it gathers its steps into one message, so a busy loop takes one message however many
+steps it missed. The thread also watches the child: a process that exits, or that sends
+nothing (not even a heartbeat) for `heartbeat_timeout_s`, is a dead engine, as a crash is; a
+silent one is killed first.
 """
 
 from __future__ import annotations
