@@ -181,6 +181,8 @@ class AsyncLLMEngine:
         if self._dead is None:
             try:
                 self.core.check_health()
+            except EngineDeadError as exc:  # the core's own cause is the one to log and tell
+                self._die(exc.__cause__ or exc)
             except Exception as exc:
                 self._die(exc)
 

@@ -274,7 +274,9 @@ class MPClient:
         return self._phases.get(request_id)
 
     def check_health(self) -> None:
-        if self._dead is None and not self._process.is_alive():
+        # an exit is the reader's to find (within two polls): it takes a Failed the child sent
+        # before exiting as the cause, where this would take the exit
+        if self._dead is None and not self._process.is_alive() and not self._reader.is_alive():
             self._dead = EngineProcessLostError(
                 f"the engine process exited ({self._process.exitcode})"
             )
@@ -326,28 +328,46 @@ class MPClient:
         try:
             while not self._is_closing:
                 if self._output.poll(int(_POLL_S * 1000)):
-                    messages = self._drain()
+                    messages, failed = self._drain()
                     if messages:
                         self._post(self._on_messages, messages)
+                    if failed is not None:  # the outputs before it are delivered first
+                        self._post_death(failed)
+                        return
                     continue
                 cause = self._check_child()
                 if cause is not None:
+                    # what it sent before it went (a Failed last) may still be in flight
+                    if self._output.poll(int(_POLL_S * 1000)):
+                        messages, failed = self._drain()
+                        if messages:
+                            self._post(self._on_messages, messages)
+                        cause = failed or cause
                     self._post_death(cause)
                     return
         except Exception as exc:  # a bug here, as one in a step: the engine is dead
             if not self._is_closing:
                 self._post_death(exc)
 
-    def _drain(self) -> list[Any]:
+    def _drain(self) -> tuple[list[Any], BaseException | None]:
+        """What the child has sent, and the error of a Failed among it: the child's own
+        account of its death, taken here before its exit (what this thread would notice next,
+        and take for the cause) can be seen."""
         messages: list[Any] = []
+        failed: BaseException | None = None
         while True:
             try:
                 frame = self._output.recv(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return messages
+                return messages, failed
             self._last_heard = time.monotonic()
             message = self._decoder.decode(frame.buffer)
-            if not isinstance(message, Heartbeat):
+            if isinstance(message, Failed):
+                logger.error(
+                    "engine_core_failed", cause=message.reason, traceback=message.traceback
+                )
+                failed = failed or message.error()
+            elif not isinstance(message, Heartbeat):
                 messages.append(message)
 
     def _check_child(self) -> BaseException | None:
@@ -378,9 +398,10 @@ class MPClient:
             loop.call_soon_threadsafe(fn, arg)
 
     def _post_death(self, cause: BaseException) -> None:
+        """Once: the first cause known (a Failed's error before the exit it led to) is told."""
         if self._dead is None:
             self._dead = cause
-        self._post(self._on_death, cause)
+        self._post(self._on_death, self._dead)
 
     def _on_messages(self, messages: list[Any]) -> None:
         for message in messages:
@@ -400,11 +421,6 @@ class MPClient:
                 reply = self._aborting.pop(message.ticket, None)
                 if reply is not None and not reply.done():
                     reply.set_result(message.request_ids)
-            elif isinstance(message, Failed):
-                logger.error(
-                    "engine_core_failed", cause=message.reason, traceback=message.traceback
-                )
-                self._post_death(message.error())
 
     def _on_outputs(self, message: StepOutputs) -> None:
         self.num_step_messages += 1
