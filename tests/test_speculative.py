@@ -244,3 +244,52 @@ def test_a_different_draft_model_is_seldom_right_and_changes_nothing(model_dir, 
     assert stats.num_draft_tokens > 50
     assert stats.num_accepted_tokens <= 0.1 * stats.num_draft_tokens, stats
     assert_all_blocks_free(spec)
+
+
+def test_ngram_greedy_is_unchanged_when_prefills_are_chunked(model_dir, plain) -> None:
+    # a 16-token budget splits every prompt (up to 33 tokens) over several steps, and the
+    # drafts of the decodes beside them come out of the same budget
+    spec = make_llm(model_dir, NGRAM, max_num_batched_tokens=16)
+    assert token_ids(spec, PROMPTS, GREEDY) == token_ids(plain, PROMPTS, GREEDY)
+    assert spec_stats(spec).num_accepted_tokens > 0
+    assert_all_blocks_free(spec)
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_a_different_draft_model_changes_nothing_under_preemption(
+    model_dir, plain, preemption_mode
+) -> None:
+    other = model_dir("llama", seed=7, num_hidden_layers=1)
+    spec = make_llm(
+        model_dir, {"model": str(other), "num_speculative_tokens": 3},
+        num_gpu_blocks_override=10, num_cpu_blocks_override=64, preemption_mode=preemption_mode,
+    )  # fmt: skip
+    assert token_ids(spec, PROMPTS, GREEDY) == token_ids(plain, PROMPTS, GREEDY)
+    stats = spec.get_stats()
+    num_preempted = getattr(stats, f"num_preemptions_{preemption_mode}")
+    assert num_preempted > 0
+    assert spec_stats(spec).num_draft_tokens > 50
+    assert_all_blocks_free(spec)
+
+
+def test_a_draft_model_equal_to_the_target_with_n_samples_and_prefix_cache_hits(
+    model_dir, plain
+) -> None:
+    draft = {"model": str(model_dir("llama")), "num_speculative_tokens": 3}
+    spec = make_llm(model_dir, draft, enable_prefix_caching=True)
+    params = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    want = token_ids(plain, PROMPTS, params)
+    assert token_ids(spec, PROMPTS, params) == want
+    # the same prompts again start from cached blocks: the draft's K/V of those blocks must
+    # have been kept beside the target's, or its drafts go wrong and are rejected
+    num_hits = spec.get_stats().num_prefix_cache_hits
+    before = spec_stats(spec).num_accepted_tokens, spec_stats(spec).num_draft_tokens
+    assert token_ids(spec, PROMPTS, params) == want
+    assert spec.get_stats().num_prefix_cache_hits > num_hits
+    stats = spec_stats(spec)
+    num_accepted, num_drafts = (
+        stats.num_accepted_tokens - before[0],
+        stats.num_draft_tokens - before[1],
+    )
+    assert num_drafts > 50 and num_accepted >= 0.95 * num_drafts, stats
+    assert_all_blocks_free(spec)
