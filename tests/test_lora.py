@@ -19,6 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncengine import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
 from asyncengine.errors import InvalidRequestError, LoRAInUseError, LoRANotFoundError
+from asyncengine.sampling_params import StructuredOutputsParams
+from asyncengine.server.metrics import _lora_metrics
 from asyncengine.testing import make_random_lora
 
 if TYPE_CHECKING:
@@ -131,13 +133,17 @@ def test_a_mixed_batch_matches_peft(
     assert llm.get_stats().num_lora_loads == 3
 
 
-@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+@pytest.mark.parametrize(
+    ("family", "preemption_mode"),
+    [("llama", "swap"), ("llama", "recompute"), ("qwen2", "swap"), ("qwen3", "swap")],
+)
 def test_preemption_with_adapters_matches_peft(
+    family: str,
     preemption_mode: str,
     model_dir: ModelDirFactory,
     adapters: Callable[[Path], list[LoRARequest]],
 ) -> None:
-    path = model_dir("llama")
+    path = model_dir(family)
     llm = make_llm(
         path, block_size=8, num_gpu_blocks_override=8, preemption_mode=preemption_mode,
         max_loras=2,
@@ -154,6 +160,65 @@ def test_parallel_samples_with_an_adapter_match_peft(
     path = model_dir("llama")
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
     assert_matches_peft(make_llm(path), path, adapters(path), params)
+
+
+def peft_choice_greedy(
+    model_dir: Path, lora: LoRARequest | None, prompt: list[int], choices: list[str]
+) -> list[int]:
+    """PEFT's greedy tokens under a choice constraint: at each step the argmax of PEFT's
+    logits among the tokens an xgrammar matcher (built here from the tokenizer) allows."""
+    import xgrammar as xgr
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if lora is not None:
+        model = PeftModel.from_pretrained(model, lora.lora_path)
+    vocab_size = model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_grammar(ebnf))
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    tokens: list[int] = []
+    while not matcher.is_terminated() and len(tokens) < MAX_TOKENS:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, -1]
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask[0])
+        tokens.append(int(logits.argmax()))
+        assert matcher.accept_token(tokens[-1])
+    return tokens
+
+
+def test_a_constrained_request_follows_its_adapter(
+    model_dir: ModelDirFactory, adapters: Callable[[Path], list[LoRARequest]]
+) -> None:
+    # a choice between texts that the adapters and the base model would each start with: in
+    # one batch, each constrained request takes its own model's allowed argmax at every step
+    path = model_dir("llama")
+    llm = make_llm(path)
+    loras = adapters(path)
+    prompts = mixed_requests([])[0][:4]
+    choices = ["the", " a", "x", "ex", " reple", "Wning P", "um~ke", "\\ar"]
+    per_prompt: list[LoRARequest | None] = [None, *loras]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS,
+        structured_outputs=StructuredOutputsParams(choice=choices),
+    )  # fmt: skip
+    outs = llm.generate(prompts, params, lora_request=per_prompt)
+    expected = [peft_choice_greedy(path, lora, p, choices) for p, lora in zip(prompts, per_prompt)]
+    for out, want in zip(outs, expected, strict=True):
+        assert out.outputs[0].token_ids == want
+        assert out.outputs[0].text in choices
+    # the adapters decide: their choices are not all the base model's
+    assert len({tuple(want) for want in expected}) > 1
+    assert [peft_choice_greedy(path, None, p, choices) for p in prompts] != expected
+    stats = llm.get_stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
 
 
 def test_one_slot_and_one_host_copy_run_every_adapter_in_turn(
@@ -177,8 +242,13 @@ def test_one_slot_and_one_host_copy_run_every_adapter_in_turn(
     assert llm.get_stats().num_cached_loras == 1
     assert_matches_peft(llm, path, loras)
     assert max(len(ids) for ids in steps) == 1
-    # evicted host copies were read again, off the step
-    assert engine.loras is not None and engine.loras.num_disk_loads > len(loras)
+    # evicted host copies were read again, off the step, and operators see both counts
+    stats = llm.get_stats()
+    assert stats.num_lora_host_evictions >= len(loras) - 1
+    assert stats.num_lora_disk_reads > len(loras)
+    samples = {s.name: s.value for family in _lora_metrics(stats, []) for s in family.samples}
+    assert samples["asyncengine_lora_host_evictions_total"] == stats.num_lora_host_evictions
+    assert samples["asyncengine_lora_disk_reads_total"] == stats.num_lora_disk_reads
 
 
 def test_prefix_cache_is_never_shared_between_adapters(
@@ -316,7 +386,7 @@ def test_the_lora_flags_set_the_engine_args() -> None:
     assert not engine_args_from(parser.parse_args([])).enable_lora
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_tensor_parallel_size_2_with_forced_swaps_matches_peft(
     family: str, model_dir: ModelDirFactory, adapters: Callable[[Path], list[LoRARequest]]
 ) -> None:

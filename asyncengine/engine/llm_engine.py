@@ -82,6 +82,8 @@ class EngineStats:
     num_cached_loras: int = 0
     num_lora_loads: int = 0
     num_lora_evictions: int = 0
+    num_lora_host_evictions: int = 0  # host copies dropped past max_cpu_loras
+    num_lora_disk_reads: int = 0  # adapters read from disk: registrations and re-reads
     lora_running: dict[str, int] = field(default_factory=dict)
     lora_waiting: dict[str, int] = field(default_factory=dict)
     # speculative decoding (vLLM's spec_decode counters), when it is on: the proposer, draft
@@ -544,6 +546,8 @@ class LLMEngine:
             "num_cached_loras": loras.num_cached,
             "num_lora_loads": loras.num_loads,
             "num_lora_evictions": loras.num_evictions,
+            "num_lora_host_evictions": loras.num_host_evictions,
+            "num_lora_disk_reads": loras.num_disk_loads,
             "lora_running": _count_by_name(sched.running, names),
             "lora_waiting": _count_by_name([*sched.waiting, *sched.swapped], names),
         }

@@ -42,6 +42,7 @@ class LoRARegistry:
         self.num_loads = 0  # adapters copied into a device slot
         self.num_evictions = 0  # adapters whose slot went to another
         self.num_disk_loads = 0  # adapters read from disk (registration and reloads)
+        self.num_host_evictions = 0  # host copies dropped past max_cpu_loras
 
     def read(self, lora_request: LoRARequest) -> LoRAWeights:
         """Read and check an adapter from disk (slow: callers run it off their loop)."""
@@ -104,7 +105,10 @@ class LoRARegistry:
             return True
         loading = self._loading.get(lora_int_id)
         if loading is None:
-            self._loading[lora_int_id] = self.read_in_background(self.requests[lora_int_id])
+            lora_request = self.requests[lora_int_id]
+            # its host copy was evicted past max_cpu_loras: read again, off the step
+            logger.info("lora_reading", lora_name=lora_request.lora_name, lora_int_id=lora_int_id)
+            self._loading[lora_int_id] = self.read_in_background(lora_request)
             return False
         if not loading.done():
             return False
@@ -143,6 +147,12 @@ class LoRARegistry:
         excess = len(self._host) - self.config.max_cpu_loras
         for lora_int_id in [i for i in self._host if i not in keep][: max(excess, 0)]:
             del self._host[lora_int_id]
+            self.num_host_evictions += 1
+            logger.info(
+                "lora_host_evicted",
+                lora_int_id=lora_int_id,
+                max_cpu_loras=self.config.max_cpu_loras,
+            )
 
     @property
     def num_resident(self) -> int:

@@ -171,6 +171,16 @@ def _lora_metrics(stats: EngineStats, names: list[str]) -> Iterator[Metric]:
         "Adapters evicted (least recently used) to make room for another",
         value=stats.num_lora_evictions,
     )
+    yield CounterMetricFamily(
+        P + "lora_host_evictions",
+        "Adapters' host copies dropped (least recently used) past --max-cpu-loras",
+        value=stats.num_lora_host_evictions,
+    )
+    yield CounterMetricFamily(
+        P + "lora_disk_reads",
+        "Adapters read from disk: at registration, and again after a host eviction",
+        value=stats.num_lora_disk_reads,
+    )
     requests = GaugeMetricFamily(
         P + "lora_requests",
         "Requests of each LoRA adapter: running, or waiting (queued or swapped out)",
