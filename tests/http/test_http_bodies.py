@@ -96,6 +96,20 @@ def test_a_chunked_body_over_the_limit_is_413_before_the_rest_is_sent(
     assert sent < total / 2, f"{sent} of {total} bytes were taken before the 413"
 
 
+@pytest.mark.parametrize("num_bytes", [MAX_MESSAGE_SIZE + 1, 16 * MAX_MESSAGE_SIZE, 64 * MAX_MESSAGE_SIZE])
+def test_a_client_that_reads_after_sending_its_whole_body_gets_the_413(
+    small: ServerThread, num_bytes: int
+) -> None:
+    """A 413 written while the client still sends its declared body: the connection closed
+    with bytes unread was reset, and a reset drops the answer from the client's buffer (the
+    suite saw the status line without its JSON)."""
+    body = b'{"prompt": "' + b"x" * (num_bytes - 14) + b'"}'
+    for _ in range(5):
+        status, reply = _post(small, "/v1/completions", body)
+        assert status == 413, reply
+        assert reply["error"]["code"] == "request_too_large", reply
+
+
 def test_the_next_request_is_served_after_a_413(small: ServerThread) -> None:
     status, _ = _post(small, "/v1/completions", b'{"prompt": "' + b"x" * 2_000_000 + b'"}')
     assert status == 413

@@ -3,6 +3,9 @@ metrics, every failure answered in OpenAI's error shape (errors.py)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI
@@ -11,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import asyncengine
 from asyncengine.errors import (
@@ -237,16 +240,54 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
 
 class BodyLimit:
     """Refuses a body whose Content-Length is over `max_bytes` before reading any of it (the
-    routes count what they read: a chunked body is refused as it passes the limit)."""
+    routes count what they read: a chunked body is refused as it passes the limit).
+
+    A client may still be sending when its 413 is written. Closing with its bytes unread
+    resets the connection, and a reset drops the 413 from the client's buffer unread: so the
+    connection lingers (as nginx's does) while up to `max_bytes` more are read and dropped,
+    for at most LINGER_S, then closes."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for key, value in scope.get("headers", ()):
-                if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                    await error_response(too_large(self.max_bytes))(scope, receive, send)
-                    return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        send = self._lingering(send, receive)
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await error_response(too_large(self.max_bytes))(scope, receive, send)
+                return
         await self.app(scope, receive, send)
+
+    def _lingering(self, send: Send, receive: Receive) -> Send:
+        """`send`, with a 413's last message held back while the rest of the body drains."""
+        is_refused = False
+
+        async def send_lingering(message: Message) -> None:
+            nonlocal is_refused
+            if message["type"] == "http.response.start":
+                is_refused = message["status"] == HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+            elif is_refused and not message.get("more_body", False):
+                await send({**message, "more_body": True})  # the client has all it needs
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_drain(receive, self.max_bytes), LINGER_S)
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        return send_lingering
+
+
+LINGER_S = 2.0
+
+
+async def _drain(receive: Receive, max_bytes: int) -> None:
+    """Read and drop up to `max_bytes` of a request's body, or to its end."""
+    num_bytes = 0
+    while num_bytes <= max_bytes:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        num_bytes += len(message.get("body", b""))
