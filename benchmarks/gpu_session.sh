@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 status=0
-python3 benchmarks/kernels.py --json-out "$out/kernels.json" || status=1
+python3 benchmarks/gpu_kernels.py --json-out "$out/kernels.json" || status=1
 python3 benchmarks/cuda_engine.py --json-out "$out/cuda_engine.json" || status=1
 # the suite's one CUDA-only test (skipped in CI): sizing from a real profiled forward
 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kv_sizing.py -k cuda || status=1

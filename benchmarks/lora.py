@@ -171,15 +171,27 @@ def main(argv: list[str] | None = None) -> int:
     for result in results:
         result["vs_base"] = result["tokens_per_s"] / base
     report = {
-        "machine": {"cpu": platform.processor(), "threads": torch.get_num_threads()},
+        "machine": {
+            "cpu": platform.processor(),
+            "flags": cpu_flags(),
+            "threads": torch.get_num_threads(),
+        },
         "args": vars(args),
         "results": results,
     }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
+        print(f"cpu flags: {cpu_flags() or '-'}; threads {torch.get_num_threads()}")
         print_table(results)
     return 0
+
+
+def cpu_flags() -> str:
+    """The CPU's matmul flags: bf16 is native with avx512_bf16 or amx_bf16, emulated without."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
+    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def print_table(results: list[dict[str, Any]]) -> None:

@@ -96,7 +96,9 @@ def test_a_chunked_body_over_the_limit_is_413_before_the_rest_is_sent(
     assert sent < total / 2, f"{sent} of {total} bytes were taken before the 413"
 
 
-@pytest.mark.parametrize("num_bytes", [MAX_MESSAGE_SIZE + 1, 16 * MAX_MESSAGE_SIZE, 64 * MAX_MESSAGE_SIZE])
+@pytest.mark.parametrize(
+    "num_bytes", [1 + MAX_MESSAGE_SIZE, 16 * MAX_MESSAGE_SIZE, 64 * MAX_MESSAGE_SIZE]
+)
 def test_a_client_that_reads_after_sending_its_whole_body_gets_the_413(
     small: ServerThread, num_bytes: int
 ) -> None:

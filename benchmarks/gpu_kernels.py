@@ -7,8 +7,8 @@ bandwidth and its fraction of a measured device-to-device copy, next to torch's
 scaled_dot_product_attention over the same K/V laid out contiguously. Before timing, every kernel
 is checked against its torch reference on small inputs.
 
-    python benchmarks/kernels.py [--batches 1,16,64,256] [--contexts 512,4096,32768] [--json]
-    python benchmarks/kernels.py --interpret-smoke   # no GPU: a tiny case in Triton's interpreter
+    python benchmarks/gpu_kernels.py [--batches 1,16,64,256] [--contexts 512,4096,32768] [--json]
+    python benchmarks/gpu_kernels.py --interpret-smoke   # no GPU: a tiny case, Triton's interpreter
 
 Without CUDA (and without --interpret-smoke) it says so and exits 0.
 """
@@ -328,7 +328,7 @@ def main() -> int:
     if args.interpret_smoke:
         return interpret_smoke()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py: no CUDA device; nothing to measure (try --interpret-smoke)")
+        print("gpu_kernels.py: no CUDA device; nothing to measure (try --interpret-smoke)")
         return 0
     kernels = import_kernels()
     name = torch.cuda.get_device_name(0)
