@@ -10,6 +10,7 @@ import pytest
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.core.spec_decode import SpecDecodeStats
+from asyncengine.sampling_params import StructuredOutputsParams
 from asyncengine.server.metrics import _spec_decode_metrics
 from asyncengine.worker.proposers import ngram_lookup
 
@@ -292,4 +293,30 @@ def test_a_draft_model_equal_to_the_target_with_n_samples_and_prefix_cache_hits(
         stats.num_draft_tokens - before[1],
     )
     assert num_drafts > 50 and num_accepted >= 0.95 * num_drafts, stats
+    assert_all_blocks_free(spec)
+
+
+def test_constrained_requests_speculate_under_their_grammar(model_dir, plain) -> None:
+    # a choice of the prompt's own text (drafts from prompt lookup spell it), a regex and a
+    # JSON schema: with speculation each constrained output is token for token the one
+    # without, the grammar stepped over the drafts it kept and only those
+    tokenizer = plain.llm_engine.tokenizer
+    echoes = [tokenizer.decode(p[:12], clean_up_tokenization_spaces=False) for p in PROMPTS]
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}},
+              "required": ["a"]}  # fmt: skip
+    constraints = [
+        StructuredOutputsParams(choice=[e for e in echoes if e.isprintable()]),
+        StructuredOutputsParams(regex="[a-z ]{4,40}"),
+        StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+    ]
+    spec = make_llm(model_dir, NGRAM)
+    for constraint in constraints:
+        params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=constraint)
+        got = spec.generate(PROMPTS, params, use_tqdm=False)
+        want = plain.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+        assert all(o.outputs[0].finish_reason == "stop" for o in got), constraint
+    stats = spec_stats(spec)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
     assert_all_blocks_free(spec)

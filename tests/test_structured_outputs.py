@@ -361,10 +361,10 @@ def test_a_grammar_failure_ends_its_request_alone(model_dir, monkeypatch) -> Non
     accept = StructuredOutputManager.accept
     poisoned: set[str] = set()
 
-    def failing_accept(self, req) -> bool:
+    def failing_accept(self, req, num_tokens: int = 1) -> bool:
         if req.group_id in poisoned and req.num_output_tokens == 2:
             raise RuntimeError("a bug in this request's matcher")
-        return accept(self, req)
+        return accept(self, req, num_tokens)
 
     monkeypatch.setattr(StructuredOutputManager, "accept", failing_accept)
     regex = constrained("regex", seed=3, n=1)

@@ -52,8 +52,7 @@ class SpecDecodePolicy:
         """Draft slots for `req` this step (0: none): never past its max_tokens, the cache
         or the step's token budget (`num_budget_tokens` left for it besides its own token)."""
         params = req.sampling_params
-        # the grammar would have to advance over drafts it may have to take back
-        if params.structured_outputs is not None or not self._is_worth_trying(req):
+        if not self._is_worth_trying(req):
             return 0
         k = min(self.config.num_speculative_tokens, num_budget_tokens)
         k = min(k, self.max_seq_len - req.num_tokens)

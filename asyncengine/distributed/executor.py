@@ -37,7 +37,7 @@ from asyncengine.distributed.worker import rank_config, report_num_blocks, start
 from asyncengine.logging import get_logger
 from asyncengine.worker.forward_context import get_forward_context
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
-from asyncengine.worker.sampler import FillGrammarMasks
+from asyncengine.worker.sampler import Grammars
 
 logger = get_logger(__name__)
 
@@ -118,7 +118,7 @@ class TensorParallelExecutor:
         self.runner.model = _DriverModel(self.runner.model, self)
 
     def execute_model(
-        self, plan: SchedulerOutput, fill_grammar_masks: FillGrammarMasks | None = None
+        self, plan: SchedulerOutput, grammars: Grammars | None = None
     ) -> ModelRunnerOutput:
         with self._collectives():
             has_moves = plan.blocks_to_swap_out or plan.blocks_to_swap_in or plan.blocks_to_copy
@@ -126,7 +126,7 @@ class TensorParallelExecutor:
             for slot, weights in plan.lora_loads.items():
                 self.channel.send_lora(slot, weights)
             try:
-                output = self.runner.execute_model(plan, fill_grammar_masks)
+                output = self.runner.execute_model(plan, grammars)
                 if self._pending_moves is not None:  # no forward ran to carry them
                     self.channel.send_moves(self._pending_moves)
             finally:

@@ -34,7 +34,7 @@ from asyncengine.outputs import RawLogprobs, RequestOutput
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
 from asyncengine.worker.model_runner import ModelRunner, ModelRunnerOutput
-from asyncengine.worker.sampler import FillGrammarMasks
+from asyncengine.worker.sampler import Grammars
 
 logger = get_logger(__name__)
 
@@ -48,7 +48,7 @@ class ModelRunnerLike(Protocol):
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None: ...
 
     def execute_model(
-        self, plan: SchedulerOutput, fill_grammar_masks: FillGrammarMasks | None = None
+        self, plan: SchedulerOutput, grammars: Grammars | None = None
     ) -> ModelRunnerOutput: ...
 
 
@@ -93,6 +93,12 @@ class EngineStats:
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_accepted_per_position: list[int] = field(default_factory=list)
+
+
+def _num_new_tokens(request_id: str, result: ModelRunnerOutput) -> int:
+    """The tokens a request got this step: its accepted drafts, then the sampled one."""
+    spec = result.spec_results.get(request_id)
+    return 1 if spec is None else 1 + len(spec.accepted_token_ids)
 
 
 def _no_logprobs(request_id: str) -> None:
@@ -413,7 +419,7 @@ class LLMEngine:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         structured = self.structured
         return self.model_runner.execute_model(
-            plan, structured.fill_masks if structured.has_requests else None
+            plan, structured if structured.has_requests else None
         )
 
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
@@ -443,7 +449,8 @@ class LLMEngine:
                     # a grammar that has ended ends its sample, even under min_tokens or
                     # ignore_eos
                     is_constrained = structured.is_constrained(req) and not req.is_finished
-                    if is_constrained and structured.accept(req):
+                    num_new = _num_new_tokens(req.request_id, result)
+                    if is_constrained and structured.accept(req, num_new):
                         finish(req, FinishReason.EOS)
                 except Exception as exc:
                     self._fail(state, "structured output", repr(exc))

@@ -6,9 +6,11 @@ engine/grammar_compiles.py), so it enters the scheduler with its grammar ready a
 scheduler never knows of grammars. Each step the model runner asks for the token bitmask of
 its constrained rows (`fill_masks`, in the worker thread, while the forward runs) and the
 sampler applies it before sampling; the engine then advances each matcher with its sample's
-new token (`accept`). A matcher lives with its sample: swap and recompute keep a sample's
-tokens, and so its matcher's state, as it is. xgrammar sees the vocabulary as the text
-does (engine/grammar_vocab.py): special tokens never match, and no sample writes a surrogate.
+new tokens (`accept`). A speculating sample's drafts are verified under its grammar
+(`for_drafts`: its matcher stepped over the drafts it keeps, then rolled back). A matcher
+lives with its sample: swap and recompute keep a sample's tokens, and so its matcher's state,
+as it is. xgrammar sees the vocabulary as the text does (engine/grammar_vocab.py): special
+tokens never match, and no sample writes a surrogate.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from asyncengine.core.request import Request
 from asyncengine.engine.grammar_vocab import Utf8Guard, tokenizer_info
@@ -231,14 +235,57 @@ class StructuredOutputManager:
             return None
         return GrammarMasks(bitmask, rows, failures)
 
-    def accept(self, req: Request) -> bool:
-        """Advance `req`'s matcher by its last token; True once the grammar has ended (it
-        accepted a stop token). A token the grammar rejects raises `GrammarError`."""
-        token_id = req.token_ids[-1]
+    def accept(self, req: Request, num_tokens: int = 1) -> bool:
+        """Advance `req`'s matcher by its last `num_tokens` tokens (a step's accepted drafts
+        and sampled token); True once the grammar has ended (it accepted a stop token). A
+        token the grammar rejects raises `GrammarError`."""
         matcher = self._groups[req.group_id].matchers[req.request_id]
-        if not matcher.accept_token(token_id):
-            raise GrammarError(f"the grammar rejected sampled token {token_id}")
+        for token_id in req.token_ids[-num_tokens:]:
+            if not matcher.accept_token(token_id):
+                raise GrammarError(f"the grammar rejected sampled token {token_id}")
         return bool(matcher.is_terminated())
+
+    def for_drafts(self, req: Request) -> DraftCursor | None:
+        """`req`'s matcher, to step over its drafts while they are verified (in the worker
+        thread, between `prepare` and `accept` as `fill_masks` is)."""
+        group = self._groups.get(req.group_id)
+        if group is None:
+            return None
+        assert self._utf8 is not None  # its grammar compiled: the compiler and guard exist
+        last = req.token_ids[-1] if req.num_output_tokens else None
+        return DraftCursor(group.matchers[req.request_id], self._utf8, self.vocab_size, last)
+
+
+class DraftCursor:
+    """One sample's matcher stepped ahead over drafts, then rolled back (`DraftGrammar`)."""
+
+    def __init__(self, matcher: Any, utf8: Utf8Guard, vocab_size: int, last: int | None) -> None:
+        import xgrammar as xgr
+
+        self._matcher, self._utf8, self._last = matcher, utf8, last
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._num_advanced = 0
+
+    def restrict(self, logits: torch.Tensor) -> None:
+        import xgrammar as xgr
+
+        self._matcher.fill_next_token_bitmask(self._bitmask, 0)
+        if not self._utf8.restrict(self._bitmask, 0, self._last):
+            raise GrammarError("the grammar allows only a UTF-16 surrogate here")
+        bitmask = self._bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask)
+
+    def advance(self, token_id: int) -> bool:
+        if not self._matcher.accept_token(token_id):
+            raise GrammarError(f"the grammar rejected draft token {token_id}")
+        self._num_advanced += 1
+        self._last = token_id
+        return bool(self._matcher.is_terminated())
+
+    def rollback(self) -> None:
+        if self._num_advanced:
+            self._matcher.rollback(self._num_advanced)
+            self._num_advanced = 0
 
 
 def json_schema_grammar(schema: str | dict[str, Any], any_whitespace: bool) -> str:

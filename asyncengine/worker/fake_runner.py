@@ -12,7 +12,7 @@ from asyncengine.config import EngineConfig
 from asyncengine.core.request import Request
 from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.worker.model_runner import ModelRunnerOutput
-from asyncengine.worker.sampler import FillGrammarMasks
+from asyncengine.worker.sampler import Grammars
 
 # next token of a request, given the request (its tokens so far)
 TokenScript = Callable[[Request], int]
@@ -43,7 +43,7 @@ class FakeModelRunner:
         pass
 
     def execute_model(
-        self, plan: SchedulerOutput, fill_grammar_masks: FillGrammarMasks | None = None
+        self, plan: SchedulerOutput, grammars: Grammars | None = None
     ) -> ModelRunnerOutput:
         """Scripted tokens; grammars are not applied (a constrained request fails)."""
         self.num_steps += 1

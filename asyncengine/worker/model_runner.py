@@ -24,7 +24,7 @@ from asyncengine.worker.cpu_linear import pack_linear_layers
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
 from asyncengine.worker.proposers import ForwardInputs, NgramProposer, Proposer
 from asyncengine.worker.rejection_sampler import verify
-from asyncengine.worker.sampler import FillGrammarMasks, Sampler, prompt_logprobs
+from asyncengine.worker.sampler import Grammars, Sampler, prompt_logprobs
 
 # prompt positions scored at once: bounds the [rows, vocab] logits of a long prompt
 _PROMPT_LOGITS_CHUNK = 512
@@ -306,10 +306,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, plan: SchedulerOutput, fill_grammar_masks: FillGrammarMasks | None = None
+        self, plan: SchedulerOutput, grammars: Grammars | None = None
     ) -> ModelRunnerOutput:
-        """`fill_grammar_masks` gives the token masks of constrained requests (structured
-        outputs); it runs while the forward does (on CUDA the forward is still in flight)."""
+        """`grammars` gives the token masks of constrained requests (structured outputs); its
+        masks are filled while the forward runs (on CUDA the forward is still in flight)."""
         assert self.cache_engine is not None, "initialize_cache() first"
         self.cache_engine.apply(plan)
         self.load_loras(plan.lora_loads)
@@ -331,10 +331,10 @@ class ModelRunner:
             except Exception as exc:  # this request's failure only
                 output.failures[rows.req.request_id] = repr(exc)
         if batch.spec_rows:
-            self._verify(hidden, batch.spec_rows, output)
+            self._verify(hidden, batch.spec_rows, output, grammars)
         if not batch.sampling_reqs:
             return output
-        masks = None if fill_grammar_masks is None else fill_grammar_masks(batch.sampling_reqs)
+        masks = None if grammars is None else grammars.fill_masks(batch.sampling_reqs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler(logits, batch.sampling_reqs, masks)
         ids = [r.request_id for r in batch.sampling_reqs]
@@ -367,17 +367,23 @@ class ModelRunner:
         return {r.request_id: d for r, d in zip(reqs, drafts) if d}
 
     def _verify(
-        self, hidden: torch.Tensor, spec_rows: list[_SpecRows], output: ModelRunnerOutput
+        self,
+        hidden: torch.Tensor,
+        spec_rows: list[_SpecRows],
+        output: ModelRunnerOutput,
+        grammars: Grammars | None,
     ) -> None:
-        """Check each speculating request's drafts against the target's rows."""
+        """Check each speculating request's drafts against the target's rows (a constrained
+        one's under its grammar, stepped over the drafts it keeps)."""
         rows = [r.first_row + i for r in spec_rows for i in range(len(r.drafts) + 1)]
         logits = self.model.compute_logits(hidden[rows])
         first = 0
         for spec in spec_rows:
             request_id, num_rows = spec.req.request_id, len(spec.drafts) + 1
             try:
+                grammar = None if grammars is None else grammars.for_drafts(spec.req)
                 verified = verify(
-                    self.sampler, logits[first : first + num_rows], spec.req, spec.drafts
+                    self.sampler, logits[first : first + num_rows], spec.req, spec.drafts, grammar
                 )
             except Exception as exc:  # this request's failure only
                 output.failures[request_id] = repr(exc)

@@ -20,7 +20,13 @@ import torch
 from asyncengine.core.request import Request
 from asyncengine.outputs import RawLogprobs
 from asyncengine.sampling_params import SamplingParams
-from asyncengine.worker.sampler import Sampler, apply_penalties_and_masks, draw, probs_of
+from asyncengine.worker.sampler import (
+    DraftGrammar,
+    Sampler,
+    apply_penalties_and_masks,
+    draw,
+    probs_of,
+)
 
 
 class _Ahead:
@@ -53,23 +59,39 @@ class Verified:
         return self.token_ids[:-1]
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, req: Request, drafts: list[int]) -> Verified:
-    """`logits` [len(drafts) + 1, vocab]: row j scores the position after draft j - 1."""
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    req: Request,
+    drafts: list[int],
+    grammar: DraftGrammar | None = None,
+) -> Verified:
+    """`logits` [len(drafts) + 1, vocab]: row j scores the position after draft j - 1.
+
+    Under a `grammar`, row j allows what the grammar allows after the drafts kept before it
+    (a draft it forbids is rejected, as its probability is 0), and a draft that ends the
+    grammar is the last token: nothing may follow it."""
     logits = logits.float()
     raw_logprobs = None
     if req.sampling_params.logprobs is not None:  # of the model, before processing
         raw_logprobs = torch.log_softmax(logits, dim=-1)
     token_ids: list[int] = []
-    for j, row in enumerate(logits):
-        seq = _Ahead(req, token_ids)
-        apply_penalties_and_masks(row, seq)
-        if j == len(drafts):  # every draft kept: the token after them is sampled as usual
-            token_ids.append(_sample(sampler, row, seq))
-            break
-        token_id = _check(sampler, row, seq, drafts[j])
-        token_ids.append(token_id)
-        if token_id != drafts[j]:
-            break
+    try:
+        for j, row in enumerate(logits):
+            seq = _Ahead(req, token_ids)
+            if grammar is not None:
+                grammar.restrict(row)
+            apply_penalties_and_masks(row, seq)
+            if j == len(drafts):  # every draft kept: the token after them is sampled as usual
+                token_ids.append(_sample(sampler, row, seq))
+                break
+            token_id = _check(sampler, row, seq, drafts[j])
+            token_ids.append(token_id)
+            if token_id != drafts[j] or (grammar is not None and grammar.advance(token_id)):
+                break
+    finally:
+        if grammar is not None:
+            grammar.rollback()
     logprobs = None
     if raw_logprobs is not None:
         entries = Sampler.logprobs_of(raw_logprobs, token_ids, [req] * len(token_ids))

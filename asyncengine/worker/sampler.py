@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,8 +48,28 @@ class SampledSeq(Protocol):
     def num_output_tokens(self) -> int: ...
 
 
-# given a step's sampling rows, the grammar masks of the constrained ones (None: there are none)
-FillGrammarMasks = Callable[[list[Request]], GrammarMasks | None]
+class DraftGrammar(Protocol):
+    """A constrained sample's grammar stepped over its drafts while they are verified, and
+    put back after (the engine then advances it over the tokens the step keeps)."""
+
+    def restrict(self, logits: torch.Tensor) -> None:
+        """Set the tokens the grammar forbids next, in one row of logits, to -inf."""
+
+    def advance(self, token_id: int) -> bool:
+        """Take `token_id` (one the row allowed); True once the grammar has ended."""
+
+    def rollback(self) -> None:
+        """Undo every `advance`."""
+
+
+class Grammars(Protocol):
+    """The constraints of the step's requests, as the model runner applies them."""
+
+    def fill_masks(self, reqs: list[Request]) -> GrammarMasks | None:
+        """The grammar masks of the constrained rows of `reqs` (None: none is constrained)."""
+
+    def for_drafts(self, req: Request) -> DraftGrammar | None:
+        """`req`'s grammar to verify its drafts under (None: it is not constrained)."""
 
 
 class Sampler:
