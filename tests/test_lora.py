@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -249,6 +250,47 @@ def test_one_slot_and_one_host_copy_run_every_adapter_in_turn(
     samples = {s.name: s.value for family in _lora_metrics(stats, []) for s in family.samples}
     assert samples["asyncengine_lora_host_evictions_total"] == stats.num_lora_host_evictions
     assert samples["asyncengine_lora_disk_reads_total"] == stats.num_lora_disk_reads
+
+
+def test_a_slow_adapter_read_holds_only_its_own_request(
+    model_dir: ModelDirFactory,
+    adapters: Callable[[Path], list[LoRARequest]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # adapter 1's host copy is evicted (one host slot), so its request must read it again;
+    # that read blocks until released, and the base model's request steps on meanwhile
+    path = model_dir("llama")
+    llm = make_llm(path, max_loras=1, max_cpu_loras=1)
+    engine = llm.llm_engine
+    first, second = adapters(path)[:2]
+    llm.add_lora(first)
+    llm.add_lora(second)  # evicts first's host copy
+    assert engine.loras is not None
+    release, reading = threading.Event(), threading.Event()
+    read = engine.loras.read
+
+    def slow_read(lora_request: LoRARequest) -> Any:
+        reading.set()
+        assert release.wait(60), "never released"
+        return read(lora_request)
+
+    monkeypatch.setattr(engine.loras, "read", slow_read)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("base", [0, 5, 6, 7], params)
+    engine.add_request("tuned", [0, 5, 6, 7], params, lora_request=first)
+    finished: dict[str, list[int]] = {}
+    while "base" not in finished:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert reading.is_set() and "tuned" not in finished  # the read is still blocked
+    release.set()
+    while "tuned" not in finished:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert finished["tuned"] == peft_greedy(path, first, [0, 5, 6, 7])
+    assert finished["base"] == peft_greedy(path, None, [0, 5, 6, 7])
 
 
 def test_prefix_cache_is_never_shared_between_adapters(
