@@ -48,11 +48,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
     parser.add_argument("--no-merged", action="store_true", help="skip the merged baseline")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="timed runs of each load (the median is kept)"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes, a smoke test")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.quick:
-        args.num_requests, args.prompt_len, args.output_len = 32, 16, 8
+        args.num_requests, args.prompt_len, args.output_len, args.repeat = 32, 16, 8, 1
     return args
 
 
@@ -64,17 +67,26 @@ def requests(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     ]
 
 
-def timed_generate(llm: Any, prompts: list[list[int]], loras: list[Any], output_len: int) -> float:
-    """Output tokens per second of one generate (after an untimed warm-up of the same shapes)."""
+def timed_generate(
+    llm: Any, prompts: list[list[int]], loras: list[Any] | None, output_len: int, repeat: int
+) -> tuple[float, int]:
+    """The median output tokens/s of `repeat` runs of the whole load, after one untimed run of
+    it (the first meets every batch shape, and CPU primitives are built per shape: issue 27),
+    and the tokens one run makes. Each run's prompts start apart, so no run reuses another's
+    cached prefixes."""
     from asyncengine import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    warm = [[p[0] + 1, *p[1:]] for p in prompts[: min(8, len(prompts))]]
-    llm.generate(warm, params, use_tqdm=False, lora_request=loras[: len(warm)])
-    started = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-    elapsed = time.perf_counter() - started
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
+    rates, num_tokens, vocab_size = [], 0, llm.llm_engine.vocab_size
+    for run in range(repeat + 1):
+        shifted = [[3 + (p[0] - 3 + run) % (vocab_size - 3), *p[1:]] for p in prompts]
+        started = time.perf_counter()
+        outs = llm.generate(shifted, params, use_tqdm=False, lora_request=loras)
+        elapsed = time.perf_counter() - started
+        num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        if run:  # the first is the warm-up
+            rates.append(num_tokens / elapsed)
+    return statistics.median(rates), num_tokens
 
 
 def run_mixed(
@@ -95,7 +107,7 @@ def run_mixed(
         load_ms.append((time.perf_counter() - started) * 1000)
     prompts = requests(args, llm.llm_engine.vocab_size)
     per_request = [loras[i % len(loras)] if loras else None for i in range(len(prompts))]
-    rate = timed_generate(llm, prompts, per_request, args.output_len)
+    rate, _ = timed_generate(llm, prompts, per_request, args.output_len, args.repeat)
     llm.shutdown()
     return {
         "system": "mixed",
@@ -114,10 +126,9 @@ def run_merged(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from asyncengine import LLM, SamplingParams
+    from asyncengine import LLM
 
     prompts = requests(args, AutoTokenizer.from_pretrained(model).vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     total_s, num_tokens = 0.0, 0
     for index, lora in enumerate(loras):
         merged_dir = workdir / f"merged-{index}"
@@ -127,12 +138,11 @@ def run_merged(
         )
         AutoTokenizer.from_pretrained(model).save_pretrained(merged_dir)
         llm = LLM(model=str(merged_dir), dtype=args.dtype, device="cpu", max_num_seqs=64)
-        share = prompts[index :: len(loras)]
-        llm.generate(share[:2], params, use_tqdm=False)  # warm-up
-        started = time.perf_counter()
-        outs = llm.generate(share, params, use_tqdm=False)
-        total_s += time.perf_counter() - started
-        num_tokens += sum(len(o.outputs[0].token_ids) for o in outs)
+        rate, share_tokens = timed_generate(
+            llm, prompts[index :: len(loras)], None, args.output_len, args.repeat
+        )
+        total_s += share_tokens / rate
+        num_tokens += share_tokens
         llm.shutdown()
     return {"system": "merged", "num_adapters": len(loras), "tokens_per_s": num_tokens / total_s}
 
