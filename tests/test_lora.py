@@ -131,7 +131,18 @@ def test_a_mixed_batch_matches_peft(
     prompts, _ = mixed_requests(loras)
     assert len({tuple(peft_greedy(path, lora, prompts[0])) for lora in [None, *loras]}) == 4
     assert llm.list_loras() == {1, 2, 3}
-    assert llm.get_stats().num_lora_loads == 3
+    stats = llm.get_stats()
+    assert stats.num_lora_loads == 3
+    # 8 prompts over the base and 3 adapters: 2 requests each, counted by name
+    assert stats.lora_requests_total == {lora.lora_name: 2 for lora in loras}
+    names = [lora.lora_name for lora in loras]
+    admitted = {
+        s.labels["lora_name"]: s.value
+        for family in _lora_metrics(stats, names)
+        for s in family.samples
+        if s.name == "asyncengine_lora_requests_admitted_total"
+    }
+    assert admitted == {name: 2 for name in names}
 
 
 @pytest.mark.parametrize(

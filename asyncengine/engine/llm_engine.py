@@ -6,6 +6,7 @@ import atexit
 import gc
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -85,6 +86,7 @@ class EngineStats:
     num_lora_host_evictions: int = 0  # host copies dropped past max_cpu_loras
     num_lora_disk_reads: int = 0  # adapters read from disk: registrations and re-reads
     lora_running: dict[str, int] = field(default_factory=dict)
+    lora_requests_total: dict[str, int] = field(default_factory=dict)  # admitted, by name
     lora_waiting: dict[str, int] = field(default_factory=dict)
     # speculative decoding (vLLM's spec_decode counters), when it is on: the proposer, draft
     # runs, draft tokens, accepted ones, and accepted ones by position in their run
@@ -180,6 +182,7 @@ class LLMEngine:
         # one state per caller's request, found by the caller's id or by its engine group id
         self._states: dict[str, RequestState] = {}
         self._groups: dict[str, RequestState] = {}
+        self._num_lora_requests: Counter[str] = Counter()  # admitted, by adapter name
         self._last_preemption_warning = -math.inf
         self._num_preempted_unreported = 0
         freeze_heap()
@@ -236,6 +239,8 @@ class LLMEngine:
         if validated.request_id in self._states:
             raise DuplicateRequestError(validated.request_id)
         lora_int_id = self._registered_lora_id(validated.lora_request)
+        if validated.lora_request is not None:
+            self._num_lora_requests[validated.lora_request.lora_name] += 1
         if constraint is None:
             constraint = self.validator.check_structured_outputs(validated.sampling_params)
         req = Request(
@@ -556,6 +561,7 @@ class LLMEngine:
             "num_lora_host_evictions": loras.num_host_evictions,
             "num_lora_disk_reads": loras.num_disk_loads,
             "lora_running": _count_by_name(sched.running, names),
+            "lora_requests_total": dict(self._num_lora_requests),
             "lora_waiting": _count_by_name([*sched.waiting, *sched.swapped], names),
         }
 

@@ -186,10 +186,17 @@ def _lora_metrics(stats: EngineStats, names: list[str]) -> Iterator[Metric]:
         "Requests of each LoRA adapter: running, or waiting (queued or swapped out)",
         labels=["lora_name", "state"],
     )
+    total = CounterMetricFamily(
+        P + "lora_requests_admitted",
+        "Requests admitted for each LoRA adapter since start",
+        labels=["lora_name"],
+    )
     for name in names:
         requests.add_metric([name, "running"], stats.lora_running.get(name, 0))
         requests.add_metric([name, "waiting"], stats.lora_waiting.get(name, 0))
+        total.add_metric([name], stats.lora_requests_total.get(name, 0))
     yield requests
+    yield total
 
 
 def _grammar_metrics(stats: EngineStats) -> Iterator[Metric]:
