@@ -311,12 +311,23 @@ def test_constrained_requests_speculate_under_their_grammar(model_dir, plain) ->
     ]
     spec = make_llm(model_dir, NGRAM)
     for constraint in constraints:
-        params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=constraint)
+        params = SamplingParams(
+            temperature=0, max_tokens=48, structured_outputs=constraint, logprobs=2
+        )
         got = spec.generate(PROMPTS, params, use_tqdm=False)
         want = plain.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
         assert all(o.outputs[0].finish_reason == "stop" for o in got), constraint
+        # logprobs of the constrained distribution, accepted drafts' as the sampled tokens'
+        for a, b in zip(got, want):
+            assert [list(e) for e in a.outputs[0].logprobs] == [
+                list(e) for e in b.outputs[0].logprobs
+            ]
+            for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert [v.logprob for v in x.values()] == pytest.approx(
+                    [v.logprob for v in y.values()], abs=1e-4
+                )
     stats = spec_stats(spec)
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
     assert_all_blocks_free(spec)

@@ -330,11 +330,14 @@ class ModelRunner:
                 output.prompt_logprobs[rows.req.request_id] = self._score_prompt(hidden, rows)
             except Exception as exc:  # this request's failure only
                 output.failures[rows.req.request_id] = repr(exc)
+        # the sampling rows' masks first: verification waits on the forward's results
+        masks = None
+        if grammars is not None and batch.sampling_reqs:
+            masks = grammars.fill_masks(batch.sampling_reqs)
         if batch.spec_rows:
             self._verify(hidden, batch.spec_rows, output, grammars)
         if not batch.sampling_reqs:
             return output
-        masks = None if grammars is None else grammars.fill_masks(batch.sampling_reqs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         sampled = self.sampler(logits, batch.sampling_reqs, masks)
         ids = [r.request_id for r in batch.sampling_reqs]

@@ -72,15 +72,19 @@ def verify(
     (a draft it forbids is rejected, as its probability is 0), and a draft that ends the
     grammar is the last token: nothing may follow it."""
     logits = logits.float()
-    raw_logprobs = None
-    if req.sampling_params.logprobs is not None:  # of the model, before processing
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    # logprobs as the sampler gives them: of the model, before processing, but under the
+    # grammar (a constrained row's alternatives are what the grammar allows)
+    raw_logprobs: list[torch.Tensor] | None = (
+        [] if req.sampling_params.logprobs is not None else None
+    )
     token_ids: list[int] = []
     try:
         for j, row in enumerate(logits):
             seq = _Ahead(req, token_ids)
             if grammar is not None:
                 grammar.restrict(row)
+            if raw_logprobs is not None:
+                raw_logprobs.append(torch.log_softmax(row, dim=-1))
             apply_penalties_and_masks(row, seq)
             if j == len(drafts):  # every draft kept: the token after them is sampled as usual
                 token_ids.append(_sample(sampler, row, seq))
@@ -94,7 +98,8 @@ def verify(
             grammar.rollback()
     logprobs = None
     if raw_logprobs is not None:
-        entries = Sampler.logprobs_of(raw_logprobs, token_ids, [req] * len(token_ids))
+        rows = torch.stack(raw_logprobs)
+        entries = Sampler.logprobs_of(rows, token_ids, [req] * len(token_ids))
         logprobs = [entry for entry in entries if entry is not None]
     return Verified(token_ids, logprobs)
 
