@@ -68,6 +68,23 @@ def test_ngram_lookup(tokens, k, min_n, max_n, drafts) -> None:
     assert ngram_lookup(np.asarray(tokens), k, min_n, max_n) == drafts
 
 
+def test_ngram_lookup_agrees_with_a_plain_search() -> None:
+    def plain_search(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            for end in range(len(tokens) - 2, n - 2, -1):  # the latest first
+                if tokens[end - n + 1 : end + 1] == tokens[-n:]:
+                    return tokens[end + 1 : end + 1 + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.randint(1, 6)) for _ in range(rng.randint(1, 40))]
+        k, min_n = rng.randint(1, 6), rng.randint(1, 4)
+        max_n = rng.randint(min_n, 6)
+        want = plain_search(tokens, k, min_n, max_n)
+        assert ngram_lookup(np.asarray(tokens), k, min_n, max_n) == want, (tokens, k, min_n)
+
+
 @pytest.fixture(scope="module")
 def plain(model_dir) -> LLM:
     return make_llm(model_dir)

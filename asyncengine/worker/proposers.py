@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from asyncengine.config import SpeculativeConfig
 from asyncengine.core.request import Request
@@ -80,11 +79,19 @@ def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int
     """Up to `k` tokens that followed the latest earlier occurrence of `tokens`' longest
     suffix of `min_n`..`max_n` tokens; [] when none occurs."""
     num_tokens = len(tokens)
-    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-        # windows ending before the last token: each has a token after it
-        windows = sliding_window_view(tokens[: num_tokens - 1], n)
-        hits = np.flatnonzero((windows == tokens[num_tokens - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start : start + k].tolist()
-    return []
+    max_n = min(max_n, num_tokens - 1)
+    # where a suffix of n tokens ends earlier (before the last token, so a token follows):
+    # the last token's occurrences, kept while the n-th token back matches too, n = 1, 2, ..
+    ends = np.flatnonzero(tokens[: num_tokens - 1] == tokens[-1])
+    found = ends if min_n <= 1 else ends[:0]
+    for n in range(1, max_n):
+        ends = ends[ends >= n]
+        ends = ends[tokens[ends - n] == tokens[num_tokens - 1 - n]]
+        if not ends.size:
+            break
+        if n + 1 >= min_n:
+            found = ends  # the longest suffix so far
+    if not found.size:
+        return []
+    start = int(found[-1]) + 1  # its latest occurrence
+    return tokens[start : start + k].tolist()
