@@ -295,11 +295,15 @@ def test_a_slow_adapter_read_holds_only_its_own_request(
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
     assert reading.is_set() and "tuned" not in finished  # the read is still blocked
-    release.set()
+    # with nothing else to run, the steps wait for the read rather than spin on empty plans
+    threading.Timer(0.5, release.set).start()
+    num_steps = 0
     while "tuned" not in finished:
+        num_steps += 1
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
+    assert num_steps < 50 + MAX_TOKENS, num_steps
     assert finished["tuned"] == peft_greedy(path, first, [0, 5, 6, 7])
     assert finished["base"] == peft_greedy(path, None, [0, 5, 6, 7])
 

@@ -41,6 +41,8 @@ logger = get_logger(__name__)
 
 # preemptions are logged at the first, then at most this often (with the count in between)
 PREEMPTION_WARNING_INTERVAL_S = 10.0
+# an empty step while adapters are read waits this long at most for one to end
+LORA_READ_WAIT_S = 0.05
 
 
 class ModelRunnerLike(Protocol):
@@ -422,6 +424,9 @@ class LLMEngine:
         self._num_preempted_unreported = 0
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        if plan.is_empty and self.loras is not None:
+            # what waits may wait for an adapter read: wait for one, not spin on empty steps
+            self.loras.wait_for_reads(LORA_READ_WAIT_S)
         structured = self.structured
         return self.model_runner.execute_model(
             plan, structured if structured.has_requests else None

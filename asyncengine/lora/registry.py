@@ -11,7 +11,7 @@ reusing the least recently used slot of an adapter no running request holds.
 from __future__ import annotations
 
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import torch
@@ -119,6 +119,11 @@ class LoRARegistry:
             logger.error("lora_load_failed", lora_int_id=lora_int_id, cause=repr(exc))
             return False
         return True
+
+    def wait_for_reads(self, timeout_s: float) -> None:
+        """Block until an adapter read ends, or `timeout_s` (at once when none runs)."""
+        if self._loading:
+            wait(list(self._loading.values()), timeout_s, return_when=FIRST_COMPLETED)
 
     def assign_slots(self, plan: SchedulerOutput, running: set[int]) -> None:
         """Give each adapter of `plan` a device slot, loading those not in one already."""
