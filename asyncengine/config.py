@@ -104,6 +104,7 @@ class StructuredOutputsConfig:
 
 SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
+_DEFAULT_PROMPT_LOOKUP = 5
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,9 @@ class SpeculativeConfig:
     `num_speculative_tokens` next tokens, the target model checks them all in one forward.
 
     `ngram` looks the last `prompt_lookup_max` .. `prompt_lookup_min` tokens up in the prompt
-    and output so far and proposes what followed them; `draft_model` runs the small model at
+    and output so far and proposes what followed them (as in vLLM, one of the two given sets
+    the other, neither means 5 and 5: a short suffix matches by chance, and its drafts are
+    mostly rejected); `draft_model` runs the small model at
     `model` (same tokenizer), its KV in the target's blocks. Speculation is skipped in a step
     with more than `disable_by_batch_size` decoding requests, and for a request whose recent
     acceptance rate is below `min_acceptance_rate` (it is tried again now and then).
@@ -120,8 +123,8 @@ class SpeculativeConfig:
 
     method: Literal["ngram", "draft_model"]
     num_speculative_tokens: int
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = _DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_min: int = _DEFAULT_PROMPT_LOOKUP
     model: str | None = None  # the draft model's resolved directory
     disable_by_batch_size: int = 8
     min_acceptance_rate: float = 0.1
@@ -164,6 +167,12 @@ class SpeculativeConfig:
                 "unset for method 'ngram' (it needs no model)",
                 fields.get("model"),
             )
+            low, high = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+            fields["prompt_lookup_min"] = low if low is not None else high
+            fields["prompt_lookup_max"] = high if high is not None else low
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if fields[name] is None:
+                    fields[name] = _DEFAULT_PROMPT_LOOKUP
         config = cls(**fields)
         config._validate()
         return config

@@ -16,7 +16,8 @@ from asyncengine.worker.proposers import ngram_lookup
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}  # fmt: skip
 # prompts that repeat themselves, so that prompt lookup has something to propose
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11, 12] * 4,

@@ -27,6 +27,18 @@ def test_ngram_from_a_dict_or_its_json_text(model_dir) -> None:
     assert config(model_dir, None) is None
 
 
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [({}, (5, 5)), ({"prompt_lookup_max": 4}, (4, 4)), ({"prompt_lookup_min": 2}, (2, 2)),
+     ({"prompt_lookup_min": 2, "prompt_lookup_max": 3}, (2, 3))],
+)  # fmt: skip
+def test_lookup_bounds_default_as_in_vllm(model_dir, given, expected) -> None:
+    # vLLM: one bound given sets the other, neither means 5 and 5
+    got = config(model_dir, {"method": "ngram", "num_speculative_tokens": 3, **given})
+    assert got is not None
+    assert (got.prompt_lookup_min, got.prompt_lookup_max) == expected
+
+
 def test_a_model_means_a_draft_model(model_dir) -> None:
     draft = model_dir("llama", num_hidden_layers=1)
     got = config(model_dir, {"model": str(draft), "num_speculative_tokens": 3})

@@ -60,7 +60,8 @@ def engines(model_dir) -> tuple[LLM, LLM, list[int]]:
     tends to go on repeating, so that prompt lookup's drafts are often accepted."""
     # every draft slot of the step is allowed: speculation must run at this batch size
     ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
-             "disable_by_batch_size": 1024, "min_acceptance_rate": 0.0}  # fmt: skip
+             "prompt_lookup_min": 1, "disable_by_batch_size": 1024,
+             "min_acceptance_rate": 0.0}  # fmt: skip
     plain = make_llm(model_dir)
     greedy = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
     [out] = plain.generate([SEED_PROMPT], greedy, use_tqdm=False)
