@@ -38,7 +38,7 @@ def test_lora_benchmark_runs_mixed_and_merged() -> None:
 @pytest.mark.usefixtures("one_torch_thread")
 def test_speculative_benchmark_runs_both_loads() -> None:
     report = run_json(
-        "speculative.py", "--batches", "1", "--rounds", "1", "--output-len", "16",
+        "speculative.py", "--batches", "1", "--rounds", "1", "--repeat", "1", "--output-len", "16",
         "--threads", "1",
     )  # fmt: skip
     loads = {row["load"] for row in report["results"]}
