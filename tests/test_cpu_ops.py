@@ -171,8 +171,10 @@ def test_mixed_prefill_and_decode_batch_matches_plain_attention(
         monkeypatch.setattr(cpu_ops, "is_loaded", lambda: False)
         unused = 1e3  # it reads padding slots (finite: stale K/V) and masks them out
     num_heads, num_kv_heads, head_dim = 8, 2, 64
-    # (context_len, new tokens): three decodes, a fresh prompt, a chunk after a context
-    shape = [(0, 1), (block_size + 2, 1), (40, 1), (0, 30), (block_size + 5, 17)]
+    # (context_len, new tokens): three decodes; short queries (drafts under verification after
+    # a context, a short prompt); a fresh prompt, a chunk after a context, a short query
+    shape = [(0, 1), (block_size + 2, 1), (40, 1), (block_size + 3, 6), (0, 4), (5, 8),
+             (0, 30), (block_size + 5, 17), (3, 5)]  # fmt: skip
     seq_lens = [c + n for c, n in shape]
     cache, tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype, unused)
     # the new tokens' K/V are already in the cache (torch_attention stores them first)
