@@ -18,7 +18,7 @@ from asyncengine.models.loader import get_model
 from asyncengine.outputs import RawLogprobs
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker import kv_sizing
-from asyncengine.worker.attention import set_attention_backend
+from asyncengine.worker.attention import attends_as_decodes, set_attention_backend
 from asyncengine.worker.cache_engine import CacheEngine
 from asyncengine.worker.cpu_linear import pack_linear_layers
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
@@ -427,9 +427,16 @@ class ModelRunner:
         num_new = plan.num_scheduled_tokens
         if drafts:
             num_new = {i: n + len(drafts.get(i, ())) for i, n in num_new.items()}
-        # one-token sequences first, so attention can treat them as one padded batch; then
-        # by adapter, so each adapter's rows are one segment among the decodes and one after
-        reqs = sorted(plan.scheduled, key=lambda r: (num_new[r.request_id] != 1, r.lora_int_id))
+
+        # one-token sequences first, then the short queries attention treats as decodes too
+        # (verified drafts), then the rest; by adapter within each, so an adapter's rows make
+        # few segments
+        def order(req: Request) -> tuple[int, int]:
+            n = num_new[req.request_id]
+            group = 0 if n == 1 else 1 if attends_as_decodes(n, req.num_computed_tokens + n) else 2
+            return group, req.lora_int_id
+
+        reqs = sorted(plan.scheduled, key=order)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
