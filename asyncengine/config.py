@@ -113,12 +113,12 @@ class SpeculativeConfig:
     `num_speculative_tokens` next tokens, the target model checks them all in one forward.
 
     `ngram` looks the last `prompt_lookup_max` .. `prompt_lookup_min` tokens up in the prompt
-    and output so far and proposes what followed them (as in vLLM, one of the two given sets
-    the other, neither means 5 and 5: a short suffix matches by chance, and its drafts are
-    mostly rejected); `draft_model` runs the small model at
-    `model` (same tokenizer), its KV in the target's blocks. Speculation is skipped in a step
-    with more than `disable_by_batch_size` decoding requests, and for a request whose recent
-    acceptance rate is below `min_acceptance_rate` (it is tried again now and then).
+    and output so far and proposes what followed them (as in vLLM, one bound given sets the
+    other and neither means 5 and 5: a short suffix matches by chance, and its drafts are
+    mostly rejected); `draft_model` runs the small model at `model` (same tokenizer), its KV
+    in the target's blocks. Speculation is skipped in a step with more than
+    `disable_by_batch_size` decoding requests, and for a request whose recent acceptance rate
+    is below `min_acceptance_rate` (it is tried again now and then).
     """
 
     method: Literal["ngram", "draft_model"]
