@@ -46,3 +46,7 @@ def test_speculative_benchmark_runs_both_loads() -> None:
     for row in report["results"]:
         assert row["tok_s"] > 0 and row["spec_tok_s"] > 0
         assert row["same_tokens"], row  # greedy: speculation changes no token
+        if row["load"] == "grounded":
+            assert 0 <= row["copied"] <= 1
+        else:
+            assert row["copied"] is None
