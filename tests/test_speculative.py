@@ -7,12 +7,16 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.core.request import Request
 from asyncengine.core.spec_decode import SpecDecodeStats
 from asyncengine.sampling_params import StructuredOutputsParams
 from asyncengine.server.metrics import _spec_decode_metrics
 from asyncengine.worker.proposers import ngram_lookup
+from asyncengine.worker.rejection_sampler import verify
+from asyncengine.worker.sampler import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -157,6 +161,47 @@ def test_n_samples_speculate_each(model_dir, plain) -> None:
     assert got == token_ids(plain, PROMPTS[:2], params)
     assert spec_stats(spec).num_drafts > 0
     assert_all_blocks_free(spec)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"repetition_penalty": 1.5},
+        {"frequency_penalty": 0.5},
+        {"logit_bias": "most"},
+    ],
+)
+def test_greedy_rows_are_processed_before_their_argmax(model_dir, plain, overrides) -> None:
+    # penalties and a logit bias change which token a greedy row takes, draft by draft: drafts
+    # come from the text as it was, and must be checked against the processed rows
+    [[free_run]] = token_ids(plain, PROMPTS[:1], GREEDY)
+    most = max(set(free_run), key=free_run.count)
+    fields: dict = {"temperature": 0, "max_tokens": 48, "ignore_eos": True, **overrides}
+    if overrides.get("logit_bias"):
+        fields["logit_bias"] = {most: 2.0}  # more rows take it, drafts of it among them
+    params = SamplingParams(**fields)
+    want = token_ids(plain, PROMPTS, params)
+    assert want[0][0] != free_run  # the processing changes the greedy text
+    spec = make_llm(model_dir, NGRAM)
+    assert token_ids(spec, PROMPTS, params) == want
+    assert spec_stats(spec).num_drafts > 0
+    assert_all_blocks_free(spec)
+
+
+def test_a_greedy_row_under_min_tokens_rejects_a_stop_draft() -> None:
+    # rows 0 and 1 prefer token 7, a stop token: banned while min_tokens is not reached (the
+    # request has 2 output tokens, row j has 2 + j), so the draft 7 at row 1 is rejected
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=4, stop_token_ids=[7])
+    req = Request("r", [1, 2, 3], params)
+    req.append_token(4)
+    req.append_token(5)
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 5.0
+    logits[0, 6] = 1.0
+    logits[1, 8] = 1.0
+    assert verify(Sampler("cpu", 0), logits.clone(), req, [6, 7]).token_ids == [6, 8]
+    params.min_tokens = 3  # row 1 may stop now: the draft 7 is kept, row 2 follows it
+    assert verify(Sampler("cpu", 0), logits.clone(), req, [6, 7]).token_ids == [6, 7, 7]
 
 
 @pytest.mark.parametrize(
