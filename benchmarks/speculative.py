@@ -36,8 +36,9 @@ from asyncengine.config import cpu_bf16_flag
 from asyncengine.logging import configure_logging
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
-# modules whose docstrings make the grounded prompts
+# times a grounded answer is remade from its whole prompt (`grounded_prompts`)
 GROUNDING_ROUNDS = 5
+# modules whose docstrings make the grounded prompts
 DOC_MODULES = (
     "json",
     "csv",
