@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
 from asyncengine import LLM, SamplingParams
+from asyncengine.core.ngram import NgramIndex
 from asyncengine.core.request import Request
 from asyncengine.core.spec_decode import SpecDecodeStats
 from asyncengine.sampling_params import StructuredOutputsParams
 from asyncengine.server.metrics import _spec_decode_metrics
-from asyncengine.worker.proposers import ngram_lookup
 from asyncengine.worker.rejection_sampler import verify
 from asyncengine.worker.sampler import Sampler
 
@@ -70,24 +69,40 @@ def assert_all_blocks_free(llm: LLM) -> None:
     ],
 )
 def test_ngram_lookup(tokens, k, min_n, max_n, drafts) -> None:
-    assert ngram_lookup(np.asarray(tokens), k, min_n, max_n) == drafts
+    assert NgramIndex(min_n, max_n).lookup(tokens, k) == drafts
+
+
+def plain_search(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for end in range(len(tokens) - 2, n - 2, -1):  # the latest first
+            if tokens[end - n + 1 : end + 1] == tokens[-n:]:
+                return tokens[end + 1 : end + 1 + k]
+    return []
 
 
 def test_ngram_lookup_agrees_with_a_plain_search() -> None:
-    def plain_search(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
-            for end in range(len(tokens) - 2, n - 2, -1):  # the latest first
-                if tokens[end - n + 1 : end + 1] == tokens[-n:]:
-                    return tokens[end + 1 : end + 1 + k]
-        return []
-
     rng = random.Random(0)
     for _ in range(3000):
         tokens = [rng.randrange(rng.randint(1, 6)) for _ in range(rng.randint(1, 40))]
         k, min_n = rng.randint(1, 6), rng.randint(1, 4)
         max_n = rng.randint(min_n, 6)
         want = plain_search(tokens, k, min_n, max_n)
-        assert ngram_lookup(np.asarray(tokens), k, min_n, max_n) == want, (tokens, k, min_n)
+        assert NgramIndex(min_n, max_n).lookup(tokens, k) == want, (tokens, k, min_n)
+
+
+def test_an_ngram_index_kept_as_its_tokens_grow_agrees_with_a_plain_search() -> None:
+    # the scheduler keeps one index per request and looks up after each new token (or after
+    # a run of accepted drafts): positions indexed in earlier lookups must stay right
+    rng = random.Random(1)
+    for _ in range(200):
+        min_n = rng.randint(1, 4)
+        max_n = rng.randint(min_n, 6)
+        index, vocab = NgramIndex(min_n, max_n), rng.randint(1, 5)
+        tokens = [rng.randrange(vocab)]
+        while len(tokens) < 60:
+            tokens += [rng.randrange(vocab) for _ in range(rng.choice((1, 1, 1, 3, 6)))]
+            k = rng.randint(1, 6)
+            assert index.lookup(tokens, k) == plain_search(tokens, k, min_n, max_n), tokens
 
 
 @pytest.fixture(scope="module")

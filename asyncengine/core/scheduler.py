@@ -22,7 +22,8 @@ class SchedulerOutput:
     `scheduled` is in batch order; the worker computes tokens
     `[req.num_computed_tokens, req.num_computed_tokens + num_scheduled_tokens[id])` of each.
     A decode in `num_spec_tokens` also has that many slots (and budget tokens) for drafts
-    the proposer may put after its token, for the target to check in the same forward.
+    after its token, for the target to check in the same forward: those in `spec_drafts`
+    (prompt lookup's, found while planning), or the runner's proposer's.
     """
 
     scheduled: list[Request] = field(default_factory=list)
@@ -38,6 +39,7 @@ class SchedulerOutput:
     lora_slots: dict[int, int] = field(default_factory=dict)
     lora_loads: dict[int, Any] = field(default_factory=dict)
     num_spec_tokens: dict[str, int] = field(default_factory=dict)  # draft slots per request
+    spec_drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -174,10 +176,10 @@ class Scheduler:
         while queue and budget.has_room:
             req = queue[0]
             if spec is not None and _is_lone_decode(req, queue):
-                num_spec = spec.num_spec_tokens(req, budget.num_tokens - len(queue))
+                num_spec, drafts = spec.propose(req, budget.num_tokens - len(queue))
                 if num_spec and self.block_manager.can_append_slot(req, num_lookahead=num_spec):
                     queue.popleft()
-                    self._add_decode(out, budget, req, num_spec)
+                    self._add_decode(out, budget, req, num_spec, drafts)
                     continue
             if _is_lone_decode(req, queue):  # most of every step: one token, one sample
                 copies = self.block_manager.append_decode_slot(req)
@@ -202,8 +204,9 @@ class Scheduler:
                 reserve = len(queue) + len(group)
                 for req in group:
                     reserve -= 1
-                    if group_spec.get(req.request_id):
-                        self._add_decode(out, budget, req, group_spec[req.request_id])
+                    num_spec, drafts = group_spec.get(req.request_id, (0, None))
+                    if num_spec:
+                        self._add_decode(out, budget, req, num_spec, drafts)
                         continue
                     num_tokens = budget.take(req, reserve)
                     if num_tokens == 0:
@@ -212,28 +215,38 @@ class Scheduler:
                     out.add(req, num_tokens, self.block_manager.get_block_table(req))
 
     def _add_decode(
-        self, out: SchedulerOutput, budget: _Budget, req: Request, num_spec: int
+        self,
+        out: SchedulerOutput,
+        budget: _Budget,
+        req: Request,
+        num_spec: int,
+        drafts: list[int] | None,
     ) -> None:
-        """Schedule `req`'s one token with `num_spec` draft slots after it (room checked)."""
+        """Schedule `req`'s one token with `num_spec` draft slots after it (room checked),
+        and the drafts for them if they are known now."""
         out.blocks_to_copy += self.block_manager.append_slot(req, num_lookahead=num_spec)
         budget.num_tokens -= 1 + num_spec
         budget.num_seqs -= 1
         out.add(req, 1, self.block_manager.get_block_table(req))
         out.num_spec_tokens[req.request_id] = num_spec
+        if drafts is not None:
+            out.spec_drafts[req.request_id] = drafts
 
     def _group_spec_tokens(
         self, group: list[Request], budget: _Budget, num_later: int, spec: SpecDecodePolicy | None
-    ) -> dict[str, int]:
-        """Draft slots for each decoding sample of `group` (n > 1), if they all fit now."""
+    ) -> dict[str, tuple[int, list[int] | None]]:
+        """Draft slots (and drafts, if known now) for each decoding sample of `group` (n > 1),
+        if they all fit now."""
         if spec is None:
             return {}
         num_left = budget.num_tokens - num_later - len(group)
         num_spec = {}
         for req in group:
             if _is_decode(req) and num_left > 0:
-                num_spec[req.request_id] = k = spec.num_spec_tokens(req, num_left)
+                k, drafts = spec.propose(req, num_left)
+                num_spec[req.request_id] = (k, drafts)
                 num_left -= k
-        lookahead = max(num_spec.values(), default=0)
+        lookahead = max((k for k, _ in num_spec.values()), default=0)
         if not lookahead or budget.num_seqs < len(group):
             return {}
         if not self.block_manager.can_append_slot(*group, num_lookahead=lookahead):

@@ -4,14 +4,24 @@ and the counts of what was proposed and accepted."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from asyncengine.config import SpeculativeConfig
+from asyncengine.core.ngram import NgramProposer
 from asyncengine.core.request import Request
 
 # weight of the latest step in a request's moving acceptance rate
 _ACCEPTANCE_WEIGHT = 0.3
 # a request whose acceptance fell too low tries speculation again after this many decode steps
 _RETRY_INTERVAL = 16
+
+
+class PlanTimeProposer(Protocol):
+    """A proposer the scheduler runs while it plans a step (one that needs no model)."""
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        """Up to `k` drafts to follow `req`'s tokens (possibly none)."""
+        ...
 
 
 @dataclass
@@ -44,6 +54,13 @@ class SpecDecodePolicy:
         self.config = config
         self.max_seq_len = max_seq_len
         self.stats = SpecDecodeStats(config.method)
+        # prompt lookup needs no model: its drafts are found while the step is planned, so
+        # slots are taken only for drafts that exist (a model's drafts are made by the runner)
+        self.proposer: PlanTimeProposer | None = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.method == "ngram"
+            else None
+        )
 
     def is_on_for(self, num_decodes: int) -> bool:
         return num_decodes <= self.config.disable_by_batch_size
@@ -59,6 +76,16 @@ class SpecDecodePolicy:
         if params.max_tokens is not None:
             k = min(k, params.max_tokens - req.num_output_tokens - 1)
         return max(k, 0)
+
+    def propose(self, req: Request, num_budget_tokens: int) -> tuple[int, list[int] | None]:
+        """Draft slots for `req` this step (as `num_spec_tokens`) and, where the drafts are
+        found now (prompt lookup), those drafts, as many as the slots; None: the runner's
+        proposer fills the slots."""
+        k = self.num_spec_tokens(req, num_budget_tokens)
+        if not k or self.proposer is None:
+            return k, None
+        drafts = self.proposer.propose(req, k)
+        return len(drafts), drafts
 
     def _is_worth_trying(self, req: Request) -> bool:
         if req.spec_acceptance >= self.config.min_acceptance_rate:

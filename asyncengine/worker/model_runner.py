@@ -22,7 +22,7 @@ from asyncengine.worker.attention import attends_as_decodes, set_attention_backe
 from asyncengine.worker.cache_engine import CacheEngine
 from asyncengine.worker.cpu_linear import pack_linear_layers
 from asyncengine.worker.forward_context import AttentionMetadata, set_forward_context
-from asyncengine.worker.proposers import ForwardInputs, NgramProposer, Proposer
+from asyncengine.worker.proposers import ForwardInputs, Proposer
 from asyncengine.worker.rejection_sampler import verify
 from asyncengine.worker.sampler import Grammars, Sampler, prompt_logprobs
 
@@ -358,9 +358,10 @@ class ModelRunner:
             self.lora_stacks.load(slot, weights)
 
     def _propose(self, plan: SchedulerOutput) -> dict[str, list[int]]:
-        """Drafts of the requests with draft slots this step (none proposed are left out)."""
+        """Drafts of the requests with draft slots this step: the plan's own (prompt lookup
+        runs in the scheduler), else the proposer's (none proposed are left out)."""
         if self.proposer is None or not plan.num_spec_tokens:
-            return {}
+            return plan.spec_drafts
         reqs = [r for r in plan.scheduled if r.request_id in plan.num_spec_tokens]
         drafts = self.proposer.propose(
             reqs,
@@ -525,10 +526,8 @@ class ModelRunner:
 
 def _make_proposer(config: EngineConfig) -> Proposer | None:
     spec = config.speculative_config
-    if spec is None:
+    if spec is None or spec.method != "draft_model":  # prompt lookup is the scheduler's
         return None
-    if spec.method == "draft_model":
-        from asyncengine.worker.draft_model import DraftModelProposer
+    from asyncengine.worker.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config)
-    return NgramProposer(spec)
+    return DraftModelProposer(config)

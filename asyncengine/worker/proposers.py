@@ -1,17 +1,17 @@
 """Draft proposers for speculative decoding, behind one small interface.
 
 A proposer guesses the next tokens of the requests that have draft slots this step; the
-model runner then checks them in the target's forward (worker/rejection_sampler.py).
+model runner then checks them in the target's forward (worker/rejection_sampler.py). Prompt
+lookup needs no model: the scheduler finds its drafts while it plans the step
+(core/ngram.py), so it is not one of these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from asyncengine.config import SpeculativeConfig
 from asyncengine.core.request import Request
 from asyncengine.core.scheduler import SchedulerOutput
 from asyncengine.worker.forward_context import AttentionMetadata
@@ -53,45 +53,3 @@ class Proposer:
 
     def observe(self, inputs: ForwardInputs) -> None:
         """See the target's forward over `inputs` (run there with the proposer's K/V)."""
-
-
-class NgramProposer(Proposer):
-    """Prompt lookup: find the last n tokens earlier in the prompt and output so far (n from
-    `prompt_lookup_max` down to `prompt_lookup_min`, the latest occurrence) and propose the
-    tokens that followed them there. No model, a few vector compares per request."""
-
-    method = "ngram"
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.min_n = config.prompt_lookup_min
-        self.max_n = config.prompt_lookup_max
-
-    def propose(
-        self, reqs: list[Request], num_spec_tokens: list[int], block_tables: list[list[int]]
-    ) -> list[list[int]]:
-        return [
-            ngram_lookup(np.asarray(req.token_ids), k, self.min_n, self.max_n)
-            for req, k in zip(reqs, num_spec_tokens)
-        ]
-
-
-def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `k` tokens that followed the latest earlier occurrence of `tokens`' longest
-    suffix of `min_n`..`max_n` tokens; [] when none occurs."""
-    num_tokens = len(tokens)
-    max_n = min(max_n, num_tokens - 1)
-    # where a suffix of n tokens ends earlier (before the last token, so a token follows):
-    # the last token's occurrences, kept while the n-th token back matches too, n = 1, 2, ..
-    ends = np.flatnonzero(tokens[: num_tokens - 1] == tokens[-1])
-    found = ends if min_n <= 1 else ends[:0]
-    for n in range(1, max_n):
-        ends = ends[ends >= n]
-        ends = ends[tokens[ends - n] == tokens[num_tokens - 1 - n]]
-        if not ends.size:
-            break
-        if n + 1 >= min_n:
-            found = ends  # the longest suffix so far
-    if not found.size:
-        return []
-    start = int(found[-1]) + 1  # its latest occurrence
-    return tokens[start : start + k].tolist()

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from asyncengine.config import SpeculativeConfig
+from asyncengine.core.request import Request
 from asyncengine.core.scheduler import Scheduler, SchedulerOutput
 from asyncengine.core.spec_decode import SpecDecodePolicy, SpecResult
 
@@ -29,9 +30,22 @@ from .utils import (
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, disable_by_batch_size=8)
 
 
-def speculating_scheduler(config: SpeculativeConfig = NGRAM, **overrides) -> Scheduler:
+class EveryStepDrafts:
+    """Proposes all `k` drafts every time: the budget and policy tests below ask what the
+    scheduler gives when drafts exist, whatever the tokens repeat."""
+
+    def propose(self, req: Request, k: int) -> list[int]:
+        return [FIRST_ORDINARY_TOKEN + 2] * k
+
+
+def speculating_scheduler(
+    config: SpeculativeConfig = NGRAM, lookup: bool = False, **overrides
+) -> Scheduler:
+    """A scheduler that speculates: by prompt lookup if `lookup`, else with drafts always."""
     scheduler = create_scheduler(**overrides)
     scheduler.spec = SpecDecodePolicy(config, scheduler.max_seq_len)
+    if not lookup:
+        scheduler.spec.proposer = EveryStepDrafts()
     return scheduler
 
 
@@ -47,12 +61,15 @@ def prefill_all(scheduler: Scheduler) -> None:
 
 
 def check_spec_plan(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    """The budget holds with the drafts counted, and each table has room for its drafts."""
+    """The budget holds with the drafts counted, each table has room for its drafts, and
+    every slot has its draft."""
     bm = scheduler.block_manager
     num_drafts = sum(out.num_spec_tokens.values())
     assert out.total_num_scheduled_tokens + num_drafts <= scheduler.config.max_num_batched_tokens
+    assert out.spec_drafts.keys() == out.num_spec_tokens.keys()
     for req in out.scheduled:
         k = out.num_spec_tokens.get(req.request_id, 0)
+        assert k == len(out.spec_drafts.get(req.request_id, []))
         assert k == 0 or out.num_scheduled_tokens[req.request_id] == 1  # drafts follow a decode
         table = out.block_tables[req.request_id]
         assert len(table) == bm.num_blocks_for(req.num_tokens + k), f"{req}: table {table}"
@@ -163,3 +180,28 @@ def test_a_request_whose_drafts_are_accepted_keeps_speculating() -> None:
     assert drafts_per_step == [4] * 37 + [0]
     assert req.num_output_tokens == 150
     assert scheduler.spec.stats.num_accepted_per_position == [37] * 3
+
+
+def test_prompt_lookup_takes_slots_only_for_the_drafts_it_finds() -> None:
+    lookup = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=3
+    )
+    scheduler = speculating_scheduler(lookup, lookup=True, num_gpu_blocks=64)
+    prompts = {
+        "a": [20, 11, 30, 31, 20],  # then 11: [20, 11] occurs before, 4 tokens follow it
+        "b": [21, 22, 23, 24],  # then 11: nothing repeats
+        "c": [40, 11, 41, 40],  # then 11: [40, 11] occurs before, 3 tokens follow it
+    }
+    reqs = make_requests(3, max_tokens=40)
+    for req, prompt in zip(reqs, prompts.values()):
+        req.prompt_token_ids, req.token_ids = list(prompt), list(prompt)
+        req.num_prompt_tokens = len(prompt)
+    a, b, c = add_requests(scheduler, reqs)
+    prefill_all(scheduler)
+    for req in reqs:
+        req.token_ids[-1] = 11  # as if each had sampled 11 (its K/V is not computed yet)
+    out = speculate(scheduler, num_accepted=0)
+    assert out.spec_drafts == {a.request_id: [30, 31, 20, 11], c.request_id: [41, 40, 11]}
+    assert out.num_spec_tokens == {a.request_id: 4, c.request_id: 3}
+    # b is a plain decode: its one token, and (check_spec_plan) no slot past it
+    assert out.num_scheduled_tokens[b.request_id] == 1
