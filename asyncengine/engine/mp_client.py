@@ -275,8 +275,9 @@ class MPClient:
 
     def check_health(self) -> None:
         # an exit is the reader's to find (within two polls): it takes a Failed the child sent
-        # before exiting as the cause, where this would take the exit
-        if self._dead is None and not self._process.is_alive() and not self._reader.is_alive():
+        # before exiting as the cause, where this would take the exit. The reader is asked
+        # first: a thread's state is a flag, the process's a waitpid call on every request
+        if self._dead is None and not self._reader.is_alive() and not self._process.is_alive():
             self._dead = EngineProcessLostError(
                 f"the engine process exited ({self._process.exitcode})"
             )
