@@ -132,7 +132,8 @@ class ModelRunner:
         """
         cache, sched = self.config.cache_config, self.config.scheduler_config
         per_block = self.bytes_per_block()
-        # no use making more blocks than max_num_seqs full-length requests could ever hold
+        # what max_num_seqs full-length requests could ever hold: more serves only the prefix
+        # cache, which an automatic size leaves out (the host's memory is shared on a CPU)
         max_useful = sched.max_num_seqs * -(-sched.max_model_len // self.block_size)
         num_cpu = cache.num_cpu_blocks_override
         if num_cpu is None:
@@ -176,9 +177,13 @@ class ModelRunner:
         return num_gpu, num_cpu
 
     def _fixed_num_blocks(self, kv_bytes: int, per_block: int, max_useful: int) -> int:
-        """Blocks of the size asked for (kv_cache_memory_bytes), whatever else holds memory."""
+        """Blocks of the size asked for (kv_cache_memory_bytes), whatever else holds memory.
+        With prefix caching the blocks past what running requests can use hold cached prefixes
+        of finished ones, so only without it is the size capped at `max_useful`."""
         cache, sched = self.config.cache_config, self.config.scheduler_config
-        num_blocks = min(kv_bytes // per_block, max_useful)
+        num_blocks = kv_bytes // per_block
+        if not cache.enable_prefix_caching:
+            num_blocks = min(num_blocks, max_useful)
         kv_sizing.check_one_request_fits(
             f"kv_cache_memory_bytes {kv_bytes} at {per_block} bytes per block",
             num_blocks, self.block_size, sched.max_model_len, cache.sliding_window,

@@ -133,6 +133,19 @@ def test_start_up_fails_on_a_host_without_room_and_overrides_always_win(
     assert (engine.block_manager.num_gpu_blocks, engine.block_manager.num_cpu_blocks) == (3, 5)
 
 
+def test_a_fixed_kv_cache_size_past_what_running_requests_use_is_kept_for_the_prefix_cache(
+    model_dir: Callable[..., Path],
+) -> None:
+    """8 requests of 256 tokens use at most 128 blocks; the other blocks asked for hold cached
+    prefixes of finished requests, so they are made unless prefix caching is off."""
+    args = engine_args(model_dir("llama"), num_cpu_blocks_override=0)
+    per_block = ModelRunner(args.create_engine_config()).bytes_per_block()
+    sized = dataclasses.replace(args, kv_cache_memory_bytes=300 * per_block)
+    assert LLMEngine.from_engine_args(sized).block_manager.num_gpu_blocks == 300
+    uncached = dataclasses.replace(sized, enable_prefix_caching=False)
+    assert LLMEngine.from_engine_args(uncached).block_manager.num_gpu_blocks == 8 * 256 // 16
+
+
 def test_a_fixed_kv_cache_size_ignores_what_other_processes_hold(
     model_dir: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
