@@ -353,8 +353,10 @@ def servers(args: argparse.Namespace, model: Path, log: IO[str]) -> Iterator[dic
                 proc.kill()
 
 
-def bench_serve(args: argparse.Namespace, model: Path, url: str, conc: int, log: IO[str]) -> dict:
-    """One `vllm bench serve` run; its saved result's figures."""
+def bench_serve(
+    args: argparse.Namespace, model: Path, url: str, conc: int, seed: int, log: IO[str]
+) -> dict:
+    """One `vllm bench serve` run on the random prompts of `seed`; its saved result's figures."""
     num_prompts = max(args.min_serve_prompts, args.serve_prompts_per_conc * conc)
     with tempfile.TemporaryDirectory(prefix="vs-vllm-bench-") as tmp:
         cmd = [
@@ -386,7 +388,7 @@ def bench_serve(args: argparse.Namespace, model: Path, url: str, conc: int, log:
             "--max-concurrency",
             str(conc),
             "--seed",
-            str(args.seed),
+            str(seed),
             "--percentile-metrics",
             "ttft,itl,tpot",
             "--metric-percentiles",
@@ -423,8 +425,11 @@ def run_served(args: argparse.Namespace, model: Path, log: IO[str]) -> dict[str,
         for r in range(args.serve_rounds):
             for i, conc in enumerate(args.concurrency):
                 order = ["vllm", "asyncengine"] if (r + i) % 2 == 0 else ["asyncengine", "vllm"]
+                # prompts of their own in every run (both engines get the same ones): a prompt
+                # sent again would be served from the prefix cache of whichever engine kept it
+                seed = args.seed + 1000 * r + i
                 for name in order:
-                    row = bench_serve(args, model, up[name]["url"], conc, log)
+                    row = bench_serve(args, model, up[name]["url"], conc, seed, log)
                     rows.append({"engine": name, "round": r, "concurrency": conc, **row})
                     print(
                         f"  c={conc} {name}: {row['output_throughput']:.1f} tok/s, "
