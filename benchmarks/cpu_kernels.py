@@ -155,7 +155,7 @@ def attention_candidates(
 
     def padded_masked_sdpa() -> torch.Tensor:
         meta.scratch.clear()  # the mask is built once per forward, so once per call here
-        return _decode_attention(query, cache, meta, scale, None)
+        return _decode_attention(query, cache, meta, scale, None, meta.scratch)
 
     def sdpa_per_sequence() -> torch.Tensor:
         out = torch.empty_like(query)
