@@ -86,6 +86,10 @@ CASES = [
     (16, 4, 4, 128, F32, None),  # MHA
     (16, 8, 1, 64, BF16, None),  # one KV head for all
     (32, 6, 2, 80, F16, None),  # head_dim not a power of two
+    # where AVX-512 keeps V's sums in registers: every dtype, head_dim 64 and 128
+    (16, 8, 2, 64, F16, None),
+    (16, 4, 2, 128, BF16, None),
+    (16, 8, 4, 128, F32, 20),
     (8, 8, 2, 64, F32, 5),  # window shorter than a block
     (16, 8, 2, 64, BF16, 40),  # window across block edges
     (1024, 4, 2, 64, F32, 700),  # window inside one big block

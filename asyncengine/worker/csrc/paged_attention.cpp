@@ -9,6 +9,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,6 +38,84 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
   return acc;
 }
+
+// The scores of `num_heads` query heads (rows of `q`, `dim` apart) against one K row, into
+// `out` (`out_stride` apart). A dot product alone ends in a horizontal sum that costs more than
+// its multiplies at head_dim 64; with AVX-512, four heads' sums are folded together instead.
+inline void head_dots(const float* __restrict q, const float* __restrict k, int64_t num_heads,
+                      int64_t dim, float* __restrict out, int64_t out_stride) {
+  int64_t h = 0;
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {
+    for (; h + 4 <= num_heads; h += 4) {
+      const float* q0 = q + h * dim;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 kd = _mm512_loadu_ps(k + d);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), kd, a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + dim + d), kd, a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * dim + d), kd, a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 3 * dim + d), kd, a3);
+      }
+      // halve each sum's lanes, twice, two sums to a register: a 128-bit quarter per head
+      const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                       _mm512_shuffle_f32x4(a0, a1, 0xEE));
+      const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                       _mm512_shuffle_f32x4(a2, a3, 0xEE));
+      __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, 0x88),
+                               _mm512_shuffle_f32x4(r01, r23, 0xDD));
+      // then the 4 lanes of each quarter
+      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, s);
+      for (int64_t j = 0; j < 4; ++j) out[(h + j) * out_stride] = lanes[4 * j];
+    }
+  }
+#endif
+  for (; h < num_heads; ++h) out[h * out_stride] = dot(q + h * dim, k, dim);
+}
+
+#if defined(__AVX512F__)
+// 16 elements of a row as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The weighted sum of V for `heads` query heads of one KV head, kept in registers over every
+// slot: a head's D floats are D / 16 registers, and kHeads heads are summed in one pass over
+// the slots (16 accumulators). acc[h * D ..] = sum over slots i of p[h * n + i] * V[slot i].
+template <typename T, int D>
+struct WeightedV {
+  static constexpr int kVecs = D / 16, kHeads = 16 / kVecs;
+
+  template <typename ForEachSlot>
+  static void run(ForEachSlot&& for_each_slot, int64_t heads, const float* p, int64_t n,
+                  float* acc) {
+    for (int64_t h0 = 0; h0 < heads; h0 += kHeads) {
+      __m512 a[kHeads][kVecs];
+      for (auto& head : a)
+        for (auto& vec : head) vec = _mm512_setzero_ps();
+      const float* ph = p + h0 * n;
+      for_each_slot([&](const T* v, int64_t i) {
+        __m512 row[kVecs];
+        for (int j = 0; j < kVecs; ++j) row[j] = load16(v + 16 * j);
+        for (int h = 0; h < kHeads; ++h) {
+          const __m512 weight = _mm512_set1_ps(ph[h * n + i]);
+          for (int j = 0; j < kVecs; ++j) a[h][j] = _mm512_fmadd_ps(weight, row[j], a[h][j]);
+        }
+      });
+      for (int h = 0; h < kHeads; ++h)
+        for (int j = 0; j < kVecs; ++j) _mm512_storeu_ps(acc + (h0 + h) * D + 16 * j, a[h][j]);
+    }
+  }
+};
+#endif
 
 // out, query: [num_seqs, num_heads, head_dim]
 // kv_cache:   [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V)
@@ -105,10 +187,38 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           }
         }
       };
+      // V's weighted sum into acc, a KV head at a time with its heads' sums in registers
+      // (AVX-512, a head_dim of 64 or 128, heads per KV head a multiple of 4 or 2); false: not
+      // done, for the plain loop below
+      auto weighted_v_in_registers = [&]() {
+#if defined(__AVX512F__)
+        auto by_kv_head = [&](auto sum) {
+          using Sum = decltype(sum);
+          if (group % Sum::kHeads != 0) return false;
+          for (int64_t g = 0; g < kv_heads_per_item; ++g) {
+            auto slots = [&](auto&& body) {
+              for (int64_t b = first_block; b < end_block; ++b) {
+                const int64_t t0 = std::max(start, b * block_size);
+                const int64_t t1 = std::min(len, (b + 1) * block_size);
+                const T* block = v_base + table[b] * block_stride + (kv_head0 + g) * head_dim;
+                for (int64_t t = t0; t < t1; ++t)
+                  body(block + (t - b * block_size) * token_stride, t - start);
+              }
+            };
+            Sum::run(slots, group, scores.data() + g * group * n, n,
+                     acc.data() + g * group * head_dim);
+          }
+          return true;
+        };
+        if (head_dim == 64) return by_kv_head(WeightedV<T, 64>{});
+        if (head_dim == 128) return by_kv_head(WeightedV<T, 128>{});
+#endif
+        return false;
+      };
       for_each_slot(k_base, [&](int64_t i) {
-        for (int64_t h = 0; h < heads_per_item; ++h)
-          scores[h * n + i] = dot(q.data() + h * head_dim, row.data() + (h / group) * head_dim,
-                                  head_dim);
+        for (int64_t g = 0; g < kv_heads_per_item; ++g)
+          head_dots(q.data() + g * group * head_dim, row.data() + g * head_dim, group, head_dim,
+                    scores.data() + g * group * n + i, n);
       });
       for (int64_t h = 0; h < heads_per_item; ++h) {
         float* s = scores.data() + h * n;
@@ -119,16 +229,18 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         for (int64_t i = 0; i < n; ++i) sum += s[i];
         inv_sum[h] = 1.f / sum;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_slot(v_base, [&](int64_t i) {
-        for (int64_t h = 0; h < heads_per_item; ++h) {
-          const float p = scores[h * n + i];
-          const float* v = row.data() + (h / group) * head_dim;
-          float* a = acc.data() + h * head_dim;
+      if (!weighted_v_in_registers()) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for_each_slot(v_base, [&](int64_t i) {
+          for (int64_t h = 0; h < heads_per_item; ++h) {
+            const float p = scores[h * n + i];
+            const float* v = row.data() + (h / group) * head_dim;
+            float* a = acc.data() + h * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-        }
-      });
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+          }
+        });
+      }
       T* o_seq = o_base + (seq * num_heads + kv_head0 * group) * head_dim;
       for (int64_t h = 0; h < heads_per_item; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
