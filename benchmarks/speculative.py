@@ -92,10 +92,13 @@ def grounded_prompts(
         outs = llm.generate(prompts, params, use_tqdm=False)
         return [list(out.outputs[0].token_ids) for out in outs]
 
+    def prompts_of(answers: list[list[int]]) -> list[list[int]]:
+        return [head + answer + blank + head[1:] for head, answer in zip(heads, answers)]
+
     answers = answers_to(heads)
     for _ in range(rounds):
-        answers = answers_to([h + a + blank + h[1:] for h, a in zip(heads, answers)])
-    prompts = [h + a + blank + h[1:] for h, a in zip(heads, answers)]
+        answers = answers_to(prompts_of(answers))
+    prompts = prompts_of(answers)
     repeat = num // len(prompts) + 1
     return (prompts * repeat)[:num], (answers * repeat)[:num]
 
