@@ -1,5 +1,5 @@
 """The CPU path's kernels, measured: GEMMs at the engine's batch shapes, and the candidates for
-paged decode attention that asyncengine/worker chose between.
+paged decode and prefill attention that asyncengine/worker chose between.
 
 gemm: every linear layer of a model (default the 60M Llama of issue 15: hidden 768, 8 layers,
       12 heads, 3 KV heads, MLP 2304, vocab 2048) at batch sizes M, float32 and bfloat16,
@@ -10,11 +10,16 @@ attention: one decode step of `--num-seqs` sequences (lengths uniform in [9, 288
       blocks) through each candidate: the padded gather + masked SDPA (the plain-torch path),
       SDPA per sequence (no padding, no mask), FlexAttention compiled for the CPU with a paged
       block mask (`--flex`: ~20 s to compile), and the C++ op of asyncengine/worker/cpu_ops.py.
+prefill: `--prefill-seqs` fresh prompts of each of `--prompt-lens` tokens, causal, through
+      torch's SDPA (its CPU flash kernel) a sequence at a time after gathering its K/V from the
+      blocks (the plain-torch path) and through the C++ prefill op, which reads the blocks in
+      place; GF/s counts the causal half of QK^T and PV.
 
 Times are the best of `--repeats` runs of CPU time (one thread: the work itself, barely moved
 by other jobs on a shared box) and of wall time.
 
-    python benchmarks/cpu_kernels.py                    # both tables, one thread
+    python benchmarks/cpu_kernels.py                    # every table, one thread
+    python benchmarks/cpu_kernels.py --only prefill --threads 2
     python benchmarks/cpu_kernels.py --threads 2 --flex --json
 """
 
@@ -32,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncengine.worker import cpu_ops
-from asyncengine.worker.attention import _decode_attention, gather_kv
+from asyncengine.worker.attention import _decode_attention, _prefill_attention, gather_kv
 from asyncengine.worker.cpu_linear import _BATCH_HINT
 from asyncengine.worker.forward_context import AttentionMetadata
 
@@ -114,11 +119,17 @@ def bench_gemm(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def make_decode_batch(
-    num_seqs: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_seqs: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    lens: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[list[int]]]:
-    """(kv_cache, block_tables, seq_lens, tables): blocks in shuffled order, as after churn."""
+    """(kv_cache, block_tables, seq_lens, tables): blocks in shuffled order, as after churn;
+    sequence lengths uniform in [9, 288] unless given."""
     rng = random.Random(0)
-    lens = [rng.randint(9, 288) for _ in range(num_seqs)]
+    lens = lens or [rng.randint(9, 288) for _ in range(num_seqs)]
     needed = [-(-n // block_size) for n in lens]
     num_blocks = sum(needed) + 1
     free = list(range(1, num_blocks))
@@ -246,7 +257,63 @@ def bench_attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def format_tables(gemm: list[dict[str, Any]], attention: list[dict[str, Any]]) -> str:
+def prefill_candidates(
+    args: argparse.Namespace, length: int, dtype: torch.dtype
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """`--prefill-seqs` fresh prompts of `length` tokens, their K/V already in shuffled blocks."""
+    n, num_heads, dim, block_size = args.prefill_seqs, args.num_heads, args.head_dim, 16
+    cache, tables, _, _ = make_decode_batch(
+        n, block_size, args.num_kv_heads, dim, dtype, lens=[length] * n
+    )
+    query = torch.randn(n * length, num_heads, dim).to(dtype)
+    starts = torch.arange(0, n * length + 1, length, dtype=torch.int32)
+    seq_lens = torch.full((n,), length, dtype=torch.int32)
+    scale = dim**-0.5
+
+    def sdpa_per_sequence() -> torch.Tensor:
+        out = torch.empty_like(query)
+        for i in range(n):
+            key, value = gather_kv(cache, tables[i], length)
+            rows = slice(i * length, (i + 1) * length)
+            out[rows] = _prefill_attention(query[rows], key, value, 0, scale, None)
+        return out
+
+    def cpp_op() -> torch.Tensor:
+        return cpu_ops.paged_prefill_attention(query, cache, tables, starts, seq_lens, scale)
+
+    candidates = {"gather + SDPA per sequence": sdpa_per_sequence}
+    if cpu_ops.load():
+        candidates["C++ op (chosen)"] = cpp_op
+    return candidates
+
+
+def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for dtype_name in args.dtypes:
+        for length in args.prompt_lens:
+            candidates = prefill_candidates(args, length, DTYPES[dtype_name])
+            n = args.prefill_seqs
+            flops = n * 2 * 2 * args.num_heads * args.head_dim * length * (length + 1) / 2
+            reference = candidates["gather + SDPA per sequence"]().float()
+            base_cpu = None
+            for name, fn in candidates.items():
+                error = float((fn().float() - reference).abs().max())
+                cpu, wall = best_times(fn, args.repeats, 2)
+                base_cpu = base_cpu or cpu
+                rows.append(
+                    {
+                        "dtype": dtype_name, "prompt_len": length, "num_seqs": n, "candidate": name,
+                        "cpu_ms": cpu * 1e3, "wall_ms": wall * 1e3, "gflops": flops / wall / 1e9,
+                        "speedup_vs_sdpa": base_cpu / cpu, "max_abs_diff_vs_sdpa": error,
+                    }
+                )  # fmt: skip
+            print(f"  prefill {dtype_name} {length} tokens done", file=sys.stderr, flush=True)
+    return rows
+
+
+def format_tables(
+    gemm: list[dict[str, Any]], attention: list[dict[str, Any]], prefill: list[dict[str, Any]]
+) -> str:
     lines = []
     if gemm:
         lines += [
@@ -270,17 +337,31 @@ def format_tables(gemm: list[dict[str, Any]], attention: list[dict[str, Any]]) -
                 f"{r['wall_ms']:>8.3f} {r['speedup_vs_padded']:>8.2f} "
                 f"{r['max_abs_diff_vs_padded']:>9.1e}"
             )
-    return "\n".join(lines)
+        lines.append("")
+    if prefill:
+        lines.append(
+            f"{'dtype':<9} {'tokens':>6} {'seqs':>4} {'candidate':<26} {'cpu ms':>8} "
+            f"{'wall ms':>8} {'GF/s':>6} {'x SDPA':>6} {'max diff':>9}"
+        )
+        for r in prefill:
+            lines.append(
+                f"{r['dtype']:<9} {r['prompt_len']:>6} {r['num_seqs']:>4} {r['candidate']:<26} "
+                f"{r['cpu_ms']:>8.2f} {r['wall_ms']:>8.2f} {r['gflops']:>6.0f} "
+                f"{r['speedup_vs_sdpa']:>6.2f} {r['max_abs_diff_vs_sdpa']:>9.1e}"
+            )
+    return "\n".join(lines).rstrip()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--only", choices=("gemm", "attention"), help="one table")
+    p.add_argument("--only", choices=("gemm", "attention", "prefill"), help="one table")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--batch-sizes", default="1,16,48,128,512,2048", help="GEMM rows (M)")
     p.add_argument("--block-sizes", default="16,128,1024")
     p.add_argument("--num-seqs", type=int, default=48)
+    p.add_argument("--prompt-lens", default="64,256,1024", help="prefill: tokens per prompt")
+    p.add_argument("--prefill-seqs", type=int, default=4, help="prefill: prompts per call")
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--intermediate", type=int, default=2304)
     p.add_argument("--num-layers", type=int, default=8)
@@ -296,6 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     args.batch_sizes = [int(m) for m in args.batch_sizes.split(",")]
     args.block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    args.prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
     return args
 
 
@@ -305,12 +387,14 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         gemm = bench_gemm(args) if args.only in (None, "gemm") else []
         attention = bench_attention(args) if args.only in (None, "attention") else []
+        prefill = bench_prefill(args) if args.only in (None, "prefill") else []
     config = {k: v for k, v in vars(args).items() if k not in ("json", "json_out")}
     config.update(torch=torch.__version__)
     report = {
         "config": config,
         "gemm": gemm,
         "attention": attention,
+        "prefill": prefill,
         "flex_failures": FLEX_FAILURES,
     }
     if args.json_out:
@@ -320,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(report, indent=2))
     else:
         print(f"threads={args.threads} torch={torch.__version__}")
-        print(format_tables(gemm, attention))
+        print(format_tables(gemm, attention, prefill))
         for failure in FLEX_FAILURES:
             print(f"FlexAttention did not compile for {failure}")
 

@@ -50,3 +50,19 @@ def test_speculative_benchmark_runs_both_loads() -> None:
             assert 0 <= row["copied"] <= 1
         else:
             assert row["copied"] is None
+
+
+def test_cpu_kernels_benchmark_runs_its_attention_tables() -> None:
+    report = run_json(
+        "cpu_kernels.py", "--only", "attention", "--dtypes", "float32", "--block-sizes", "16",
+        "--num-seqs", "4", "--repeats", "1",
+    )  # fmt: skip
+    assert {r["candidate"] for r in report["attention"]} >= {"padded + masked SDPA"}
+    report = run_json(
+        "cpu_kernels.py", "--only", "prefill", "--dtypes", "float32", "--prompt-lens", "40",
+        "--prefill-seqs", "2", "--repeats", "1",
+    )  # fmt: skip
+    (sdpa, *ops) = report["prefill"]
+    assert sdpa["candidate"] == "gather + SDPA per sequence"
+    for row in ops:  # the C++ op, where it builds: the same attention
+        assert row["max_abs_diff_vs_sdpa"] < 1e-4 and row["gflops"] > 0

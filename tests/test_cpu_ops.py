@@ -1,6 +1,7 @@
-"""The CPU ops (asyncengine/worker/cpu_ops.py): decode attention against its plain-torch
-reference, the torch backend's attention over mixed prefill + decode batches against plain
-attention, and the pointwise layers against transformers' own (the model code they replace)."""
+"""The CPU ops (asyncengine/worker/cpu_ops.py): decode and prefill attention against their
+plain-torch references, the torch backend's attention over mixed prefill + decode batches
+against plain attention, and the pointwise layers against transformers' own (the model code
+they replace)."""
 
 from __future__ import annotations
 
@@ -134,6 +135,83 @@ def test_decode_op_checks_its_inputs() -> None:
         cpu_ops.paged_decode_attention(torch.randn(1, 4, 64).half(), cache, tables, lens, 1.0)
     with pytest.raises(ValueError, match="int32"):
         cpu_ops.paged_decode_attention(torch.randn(1, 4, 64), cache, tables.long(), lens, 1.0)
+
+
+# num_heads, num_kv_heads, head_dim, dtype, sliding_window; (context_len, new tokens) per sequence
+PREFILL_SHAPES = [(0, 1), (0, 7), (0, 33), (17, 9), (5, 70), (100, 40), (0, 130)]
+PREFILL_CASES = [
+    (8, 2, 64, F32, None),
+    (12, 3, 64, BF16, None),
+    (12, 12, 64, BF16, None),  # MHA: one query head a KV head
+    (6, 2, 80, F16, None),  # head_dim not a multiple of 16: V's sum in plain loops
+    (4, 2, 128, F32, None),
+    (16, 2, 256, BF16, None),
+    (8, 2, 64, F32, 24),  # a window inside a block of query rows
+    (8, 8, 64, BF16, 5),  # a window shorter than a vector of keys
+    (4, 1, 128, F32, 90),  # a window reaching back into the context
+]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, window", PREFILL_CASES, ids=str)
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_prefill_op_matches_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    window: int | None,
+    block_size: int,
+    num_threads: int,
+) -> None:
+    """Fresh prompts, chunks after a context, one-token and long queries in one call: query rows
+    cross the op's groups of 8 and its work items, keys its vectors of 16 and the blocks."""
+    seq_lens = [context + new for context, new in PREFILL_SHAPES]
+    cache, tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype)
+    starts = [0]
+    for _, new in PREFILL_SHAPES:
+        starts.append(starts[-1] + new)
+    query = torch.randn(starts[-1], num_heads, head_dim).to(dtype)
+    args = (
+        cache,
+        tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        head_dim**-0.5,
+        window,
+    )
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = cpu_ops.paged_prefill_attention(query, *args)
+    finally:
+        torch.set_num_threads(previous)
+    assert_close(out, cpu_ops.paged_prefill_attention_ref(query, *args), dtype)
+
+
+def test_prefill_op_checks_its_inputs() -> None:
+    cache, tables = make_paged_kv([10], 8, 2, 64, F32)
+    lens = torch.tensor([10], dtype=torch.int32)
+    starts = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        cpu_ops.paged_prefill_attention(
+            torch.randn(4, 4, 64), cache, tables, starts.long(), lens, 1.0
+        )
+    with pytest.raises(ValueError, match="dtype"):
+        cpu_ops.paged_prefill_attention(
+            torch.randn(4, 4, 64).half(), cache, tables, starts, lens, 1.0
+        )
+    with pytest.raises(RuntimeError, match="query_start_loc must run"):  # 4 rows said, 5 given
+        cpu_ops.paged_prefill_attention(torch.randn(5, 4, 64), cache, tables, starts, lens, 1.0)
+    with pytest.raises(RuntimeError, match="new tokens but seq_len"):  # more new tokens than held
+        cpu_ops.paged_prefill_attention(
+            torch.randn(11, 4, 64),
+            cache,
+            tables,
+            torch.tensor([0, 11], dtype=torch.int32),
+            lens,
+            1.0,
+        )
 
 
 def plain_attention(

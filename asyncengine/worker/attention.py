@@ -63,7 +63,21 @@ def paged_attention(
         )  # fmt: skip
     elif n:
         out[:n] = _decode_attention(query[:n], kv_cache, rows, scale, sliding_window, meta.scratch)
-    for i in range(rows.num_seqs, len(meta.context_lens)):
+    first = rows.num_seqs  # the sequences after the decode rows: prefills, chunks, resumes
+    if first == len(meta.context_lens):
+        return out
+    start = meta.query_start_loc[first]
+    if query.is_cpu and cpu_ops.is_loaded():
+        starts = meta.scratch.get("prefill_starts")
+        if starts is None:  # every layer's: made once
+            offsets = [loc - start for loc in meta.query_start_loc[first:]]
+            starts = meta.scratch["prefill_starts"] = torch.tensor(offsets, dtype=torch.int32)
+        cpu_ops.paged_prefill_attention(
+            query[start:], kv_cache, meta.block_tables[first:], starts, meta.seq_lens[first:],
+            scale, sliding_window, out=out[start:],
+        )  # fmt: skip
+        return out
+    for i in range(first, len(meta.context_lens)):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         key, value = gather_kv(kv_cache, meta.block_tables[i], meta.seq_lens_list[i])
         out[start:end] = _prefill_attention(

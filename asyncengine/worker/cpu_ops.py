@@ -1,5 +1,6 @@
-"""C++ ops for the CPU path, compiled on first use and cached: paged decode attention, and the
-decoder's pointwise layers in one pass each (RMSNorm, rotary embedding, SiLU-and-multiply).
+"""C++ ops for the CPU path, compiled on first use and cached: paged decode and prefill
+attention, and the decoder's pointwise layers in one pass each (RMSNorm, rotary embedding,
+SiLU-and-multiply).
 
 The sources (csrc/) are built once per machine, torch version and source with the host's C++
 compiler for the host's CPU (-march=native), into a cache directory; later starts only load
@@ -28,7 +29,7 @@ from asyncengine.logging import get_logger
 logger = get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "pointwise.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "pointwise.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
 # reassociation lets the compiler vectorize the dot products' sums; no finite-math-only, since
 # the softmax starts from -inf
@@ -222,6 +223,69 @@ def paged_decode_attention_ref(
         for head in range(query.shape[1]):
             weights = torch.softmax(key[:, head // group] @ query[i, head].float() * scale, 0)
             out[i, head] = (weights @ value[:, head // group]).to(query.dtype)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each sequence's new tokens over its paged K/V, causal ([tokens, heads, dim] -> same).
+
+    Sequence i's new tokens are rows `query_start_loc[i]:query_start_loc[i + 1]` of `query`
+    (int32, from 0 to its length), the last of its `seq_lens[i]` positions, their K/V already
+    in the cache; each attends to the positions up to its own (its last `sliding_window` with
+    a window). block_tables: [num_seqs, max_blocks] int32. Needs `load()` to have succeeded.
+    """
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError("query must be [tokens, heads, dim], kv_cache [2, blocks, bs, kvh, dim]")
+    if query.shape[1] % kv_cache.shape[3] or query.shape[2] != kv_cache.shape[4]:
+        raise ValueError("num_heads must be a multiple of num_kv_heads, head_dims must match")
+    if query.dtype != kv_cache.dtype:
+        raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_cache.dtype}")
+    if any(t.dtype != torch.int32 for t in (block_tables, query_start_loc, seq_lens)):
+        raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
+    query = query.contiguous()
+    result = torch.empty_like(query) if out is None or not out.is_contiguous() else out
+    torch.ops.asyncengine.paged_prefill_attention(
+        result, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window or 0
+    )
+    if out is not None and out is not result:
+        out.copy_(result)
+    return result if out is None else out
+
+
+def paged_prefill_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Plain-torch `paged_prefill_attention`: float32, one sequence, head and row at a time."""
+    out = torch.empty_like(query)
+    group = query.shape[1] // kv_cache.shape[3]
+    block_size = kv_cache.shape[2]
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        blocks = block_tables[i, : -(-seq_len // block_size)].long()
+        key, value = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len].float()
+        context_len = seq_len - (starts[i + 1] - starts[i])
+        for row in range(starts[i], starts[i + 1]):
+            pos = context_len + row - starts[i]
+            first = 0 if sliding_window is None else max(0, pos + 1 - sliding_window)
+            k, v = key[first : pos + 1], value[first : pos + 1]  # [seen, kv_heads, dim]
+            for head in range(query.shape[1]):
+                weights = torch.softmax(k[:, head // group] @ query[row, head].float() * scale, 0)
+                out[row, head] = (weights @ v[:, head // group]).to(query.dtype)
     return out
 
 
