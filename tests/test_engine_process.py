@@ -164,9 +164,10 @@ def test_the_same_outputs_as_in_process_and_greedy_matches_transformers(
 
 
 def split_logprobs(output: RequestOutput) -> tuple[RequestOutput, list[float]]:
-    """`output` with its logprob values set to 0, and the values in order. A row's values
-    differ in their last bits with the batch it ran in (a product of few rows runs another
-    kernel than one of many), and the batches are the step loop's timing, not the request's."""
+    """`output` with its logprob values (and each sample's running sum of them) set to 0, and
+    the values in order. A row's values differ in their last bits with the batch it ran in (a
+    product of few rows runs another kernel than one of many), and the batches are the step
+    loop's timing, not the request's."""
     output = copy.deepcopy(output)
     values: list[float] = []
     for entries in [output.prompt_logprobs or [], *(c.logprobs or [] for c in output.outputs)]:
@@ -174,6 +175,10 @@ def split_logprobs(output: RequestOutput) -> tuple[RequestOutput, list[float]]:
             for logprob in (entry or {}).values():
                 values.append(logprob.logprob)
                 logprob.logprob = 0.0
+    for completion in output.outputs:
+        if completion.cumulative_logprob is not None:
+            values.append(completion.cumulative_logprob)
+            completion.cumulative_logprob = 0.0
     return output, values
 
 
