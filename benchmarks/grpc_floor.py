@@ -9,6 +9,7 @@ no server written in Python with grpc.aio does a request on less CPU with that m
     python benchmarks/grpc_floor.py                            # N = 16, 64, 256; 2 rounds
     python benchmarks/grpc_floor.py --concurrency 256 --rounds 3 --json
     python benchmarks/grpc_floor.py --port 50100 --deltas 12   # serve the floor until killed
+    python benchmarks/grpc_floor.py --step-delay 0.002         # steps as long as a model's
 
 Each round runs, for each concurrency N, a closed loop of N streams of 64-token requests
 (benchmarks/serving.py's client, in a process of its own) against `asyncengine serve
@@ -145,7 +146,7 @@ def run_round(
     flags = ["--device", "cpu", "--dtype", "float32", "--torch-threads", "1",
              "--max-num-seqs", str(max(ns.concurrency)), "--max-queued-requests", "0",
              "--max-model-len", str(ns.prompt_len + ns.max_tokens + 16),
-             "--log-level", ns.log_level]  # fmt: skip
+             "--log-level", ns.log_level, "--step-delay", str(ns.step_delay)]  # fmt: skip
     rows = []
     server, target = start_server(model, flags, Path(tmp))
     try:
@@ -252,6 +253,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    # the fake runner steps in microseconds, so a stream's tokens go out in one or a few
+    # Deltas; a model's step takes milliseconds, and each token is a Delta of its own
+    parser.add_argument(
+        "--step-delay", type=float, default=0.0, help="seconds every engine step takes more"
+    )
     parser.add_argument("--log-level", default="INFO", help="the server's (INFO: as deployed)")
     parser.add_argument("--json", action="store_true")
     ns = parser.parse_args()
