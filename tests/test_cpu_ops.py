@@ -165,7 +165,7 @@ def test_prefill_op_matches_reference(
     num_threads: int,
 ) -> None:
     """Fresh prompts, chunks after a context, one-token and long queries in one call: query rows
-    cross the op's groups of 8 and its work items, keys its vectors of 16 and the blocks."""
+    cross the op's groups of 16 and its work items, keys its vectors of 16 and the blocks."""
     seq_lens = [context + new for context, new in PREFILL_SHAPES]
     cache, tables = make_paged_kv(seq_lens, block_size, num_kv_heads, head_dim, dtype)
     starts = [0]

@@ -1,16 +1,17 @@
 // Paged prefill attention on the CPU: the new tokens of each prefill (or chunked-prefill)
 // sequence attend causally over its cached K/V, read in place through its block table.
 //
-// One work item is a sequence, a KV head and a block of up to 32 query rows. It copies the K/V
-// rows those queries can see to float32 once (K transposed, so 16 keys are one vector), then,
-// for each query head of the KV head and 8 rows at a time, computes the scores as a small
-// matrix product (each K vector is used by 8 rows while it is in a register), takes an exact
-// softmax per row and sums V the same way (each V vector used by 8 rows). Nothing is computed
-// for keys past the block's last row or before its window. Float32 throughout, whatever the
-// cache dtype; the output is rounded to it once.
+// One work item is a sequence, a KV head and a run of its query rows (as many as the threads
+// allow). It copies the K/V rows those queries can see to float32 once (K transposed, so 16
+// keys are one vector), then, for each query head of the KV head and 16 rows at a time,
+// computes the scores as a small matrix product (each K vector serves 16 rows while it is in a
+// register; 16 accumulators and the vector fill half of AVX-512's registers, 24 rows spill
+// and ran slower), takes an exact softmax per row and sums V the same way (each V vector
+// serves 16 rows). Nothing is computed for keys past a row's position or before its window.
+// Float32 throughout, whatever the cache dtype; the output is rounded to it once.
 //
-// torch's flash kernel runs at ~80 GFLOPS on this shape (2 threads, bf16, 256 tokens, 12
-// heads of 64); see `benchmarks/cpu_kernels.py --only prefill`.
+// torch's flash kernel runs at ~70 GF/s on this shape (2 threads, bf16, 256 tokens, 12 heads
+// of 64), this op at ~220; see `benchmarks/cpu_kernels.py --only prefill`.
 //
 // Built on first use by asyncengine/worker/cpu_ops.py; torch.ops.asyncengine.paged_prefill_attention.
 
@@ -36,7 +37,7 @@ using asyncengine_cpu::fast_exp;
 using asyncengine_cpu::from_float;
 using asyncengine_cpu::to_float;
 
-constexpr int64_t kRows = 8;   // query rows computed together
+constexpr int64_t kRows = 16;  // query rows computed together
 constexpr int64_t kKeys = 16;  // keys per score vector
 
 template <typename T>
@@ -139,10 +140,10 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
   }
   const int num_threads = work < (1 << 20) ? 1 : at::get_num_threads();
   // K/V are copied once per item: items as long as the threads allow (at least 4 per thread,
-  // a multiple of kRows rows, at least 32)
+  // a multiple of kRows rows, at least 2 * kRows)
   const int64_t splits = (4 * num_threads + num_seqs * num_kv_heads - 1) / (num_seqs * num_kv_heads);
   int64_t item_rows = (max_new + splits - 1) / splits;
-  item_rows = std::max<int64_t>(32, (item_rows + kRows - 1) / kRows * kRows);
+  item_rows = std::max<int64_t>(2 * kRows, (item_rows + kRows - 1) / kRows * kRows);
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t g = 0; g < num_kv_heads; ++g)
