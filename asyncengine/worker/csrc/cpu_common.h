@@ -40,6 +40,13 @@ inline float round_to(float x) {
   return to_float(from_float<T>(x));
 }
 
+// n elements of a row as float32
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
+}
+
 // exp(x) as 2^(x log2 e): 2^round(.) from the exponent bits, 2^fraction (in [-0.5, 0.5]) from a
 // degree-6 polynomial; x clamped to [-87, 88]; relative error ~1e-7. It vectorizes, where
 // std::exp (and std::floor, in GCC 12) do not, and would cost more than the rest of a loop.

@@ -25,13 +25,8 @@ namespace {
 
 using asyncengine_cpu::fast_exp;
 using asyncengine_cpu::from_float;
+using asyncengine_cpu::load_row;
 using asyncengine_cpu::to_float;
-
-template <typename T>
-inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
-}
 
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
   float acc = 0.f;  // reassociated into a vector sum (built with -fassociative-math)

@@ -35,16 +35,11 @@ namespace {
 
 using asyncengine_cpu::fast_exp;
 using asyncengine_cpu::from_float;
+using asyncengine_cpu::load_row;
 using asyncengine_cpu::to_float;
 
 constexpr int64_t kRows = 16;  // query rows computed together
 constexpr int64_t kKeys = 16;  // keys per score vector
-
-template <typename T>
-inline void load_row(const T* __restrict src, float* __restrict dst, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = to_float(src[d]);
-}
 
 struct Item {
   int64_t seq, kv_head, row0, row1;  // rows: of the sequence's new tokens
