@@ -1,4 +1,4 @@
-"""The sampler's batched path against its one-row reference (`probs_of`, `draw`): the same
+"""The sampler's batched path against a one-row reference written out here: the same
 distribution per row whatever its batch mates ask for, the same token for a seeded row as it
 draws alone, and draws that follow the distribution."""
 
@@ -26,6 +26,23 @@ MIXED_PARAMS = [
 ]
 
 
+def one_row_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """A row's distribution the plain way, one filter after another on the row alone."""
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token when the mass before it already reaches top_p (keeps at least one)
+        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs
+
+
 @dataclass
 class Seq:
     """What the sampler reads of a request."""
@@ -47,7 +64,7 @@ def test_batched_probs_equal_each_rows_own() -> None:
     logits[1, 40:50] = logits[1].max()  # ties at the top-k edge
     batched = batched_probs_of(logits.clone(), MIXED_PARAMS)
     for row, params in enumerate(MIXED_PARAMS):
-        assert torch.equal(batched[row], probs_of(logits[row], params)), params
+        assert torch.equal(batched[row], one_row_probs(logits[row], params)), params
 
 
 def test_a_seeded_row_draws_what_it_draws_alone() -> None:
@@ -79,7 +96,7 @@ def test_batched_draws_follow_the_distribution(params: SamplingParams) -> None:
     seqs = [Seq(params) for _ in range(num_rows)]
     tokens = sampler(row.repeat(num_rows, 1), seqs).token_ids  # type: ignore[arg-type]
     seen = torch.bincount(torch.tensor(tokens), minlength=VOCAB).float() / num_rows
-    expected = probs_of(row, params)
+    expected = one_row_probs(row, params)
     expected = expected / expected.sum()
     assert 0.5 * float((seen - expected).abs().sum()) < 0.05
     assert float(seen[expected == 0].sum()) == 0.0  # nothing a filter removed

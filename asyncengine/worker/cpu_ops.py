@@ -187,14 +187,7 @@ def paged_decode_attention(
     max_blocks] int32; seq_lens: [num_seqs] int32, each counting the new token. With a window,
     a sequence sees its last `sliding_window` tokens. Needs `load()` to have succeeded.
     """
-    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError("query must be [seqs, heads, dim], kv_cache [2, blocks, bs, kvh, dim]")
-    if query.shape[1] % kv_cache.shape[3] or query.shape[2] != kv_cache.shape[4]:
-        raise ValueError("num_heads must be a multiple of num_kv_heads, head_dims must match")
-    if query.dtype != kv_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_cache.dtype}")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
-        raise ValueError("block_tables and seq_lens must be int32")
+    _check_paged_inputs(query, kv_cache, block_tables=block_tables, seq_lens=seq_lens)
     query = query.contiguous()
     out = torch.empty_like(query) if out is None else out
     torch.ops.asyncengine.paged_decode_attention(
@@ -211,19 +204,12 @@ def paged_decode_attention_ref(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Plain-torch `paged_decode_attention`: float32, one sequence and one head at a time."""
-    out = torch.empty_like(query)
-    group = query.shape[1] // kv_cache.shape[3]
-    block_size = kv_cache.shape[2]
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        blocks = block_tables[i, : -(-seq_len // block_size)].long()
-        key, value = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # [2, len, kv_heads, dim]
-        start = 0 if sliding_window is None else max(0, seq_len - sliding_window)
-        key, value = key[start:].float(), value[start:].float()  # [len, kv_heads, dim]
-        for head in range(query.shape[1]):
-            weights = torch.softmax(key[:, head // group] @ query[i, head].float() * scale, 0)
-            out[i, head] = (weights @ value[:, head // group]).to(query.dtype)
-    return out
+    """Plain-torch `paged_decode_attention`: the prefill reference with one new token a
+    sequence."""
+    one_each = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+    return paged_prefill_attention_ref(
+        query, kv_cache, block_tables, one_each, seq_lens, scale, sliding_window
+    )
 
 
 def paged_prefill_attention(
@@ -243,22 +229,31 @@ def paged_prefill_attention(
     in the cache; each attends to the positions up to its own (its last `sliding_window` with
     a window). block_tables: [num_seqs, max_blocks] int32. Needs `load()` to have succeeded.
     """
+    _check_paged_inputs(
+        query, kv_cache,
+        block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens,
+    )  # fmt: skip
+    query = query.contiguous()
+    out = torch.empty_like(query) if out is None else out
+    torch.ops.asyncengine.paged_prefill_attention(
+        out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window or 0
+    )
+    return out
+
+
+def _check_paged_inputs(
+    query: torch.Tensor, kv_cache: torch.Tensor, **int32_tensors: torch.Tensor
+) -> None:
+    """What both attention ops need of their inputs, each fault named (the ops check shapes)."""
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
-        raise ValueError("query must be [tokens, heads, dim], kv_cache [2, blocks, bs, kvh, dim]")
+        raise ValueError("query must be [rows, heads, dim], kv_cache [2, blocks, bs, kvh, dim]")
     if query.shape[1] % kv_cache.shape[3] or query.shape[2] != kv_cache.shape[4]:
         raise ValueError("num_heads must be a multiple of num_kv_heads, head_dims must match")
     if query.dtype != kv_cache.dtype:
         raise ValueError(f"query dtype {query.dtype} differs from the cache's {kv_cache.dtype}")
-    if any(t.dtype != torch.int32 for t in (block_tables, query_start_loc, seq_lens)):
-        raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
-    query = query.contiguous()
-    result = torch.empty_like(query) if out is None or not out.is_contiguous() else out
-    torch.ops.asyncengine.paged_prefill_attention(
-        result, query, kv_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window or 0
-    )
-    if out is not None and out is not result:
-        out.copy_(result)
-    return result if out is None else out
+    not_int32 = [name for name, tensor in int32_tensors.items() if tensor.dtype != torch.int32]
+    if not_int32:
+        raise ValueError(f"{' and '.join(not_int32)} must be int32")
 
 
 def paged_prefill_attention_ref(

@@ -172,24 +172,13 @@ class Sampler:
 
 def probs_of(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a non-greedy row samples from: temperature, top-k, top-p, min-p."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # drop a token when the mass before it already reaches top_p (keeps at least one)
-        drop = sorted_probs.cumsum(0) - sorted_probs >= params.top_p
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    return probs
+    return batched_probs_of(logits.unsqueeze(0), [params])[0]
 
 
 def batched_probs_of(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """`probs_of` of every row at once ([rows, vocab], row i under `params[i]`), equal to it
-    row by row: each filter runs on the rows that asked for it only."""
+    """The distributions non-greedy rows sample from ([rows, vocab], row i under `params[i]`):
+    temperature, top-k, top-p, min-p, each filter on the rows that asked for it only, so a
+    row's distribution does not depend on its batch mates."""
     temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     logits = logits / temperatures.to(logits.device).unsqueeze(1)
     vocab_size = logits.shape[1]
