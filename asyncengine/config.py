@@ -18,6 +18,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1024
 GiB = 1 << 30
 PROMPT_BYTES_PER_TOKEN = 32  # far above any tokenizer's average: real prompts are never refused
+# tokens one step computes when max_num_batched_tokens is not given. Chunked prefill is always
+# on, so any budget works; it sets how long a step may run, and every decoding request and every
+# prompt of the step waits for the whole step. 2048 tokens are milliseconds on a GPU; on a 2-core
+# CPU they are ~230 ms of the 60M llama. 512 served as many tokens/s as 2048 (within 3%) with TTFT
+# p50 halved: 362 -> 169 ms at 16 streams, 591 -> 271 ms at 64 (benchmarks/chunk_budget.py,
+# docs/benchmarks.md); 256 lost throughput and TTFT at 64 streams
+DEFAULT_BATCHED_TOKENS = {"cuda": 2048, "cpu": 512}
 
 
 @dataclass(frozen=True)
@@ -464,8 +471,8 @@ class EngineArgs:
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
-            # chunked prefill is always on, so any budget works; 2048 keeps decodes flowing
-            max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+            max_num_batched_tokens=self.max_num_batched_tokens
+            or max(DEFAULT_BATCHED_TOKENS[device], self.max_num_seqs),
             max_model_len=max_model_len,
             preemption_mode=self.preemption_mode,  # type: ignore[arg-type]
             expected_concurrency=self.expected_concurrency,

@@ -66,3 +66,22 @@ def test_cpu_kernels_benchmark_runs_its_attention_tables() -> None:
     assert sdpa["candidate"] == "gather + SDPA per sequence"
     for row in ops:  # the C++ op, where it builds: the same attention
         assert row["max_abs_diff_vs_sdpa"] < 1e-4 and row["gflops"] > 0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_chunk_budget_benchmark_serves_and_generates_at_each_budget(tmp_path: Path) -> None:
+    from asyncengine.testing import make_random_model
+
+    model = make_random_model(tmp_path / "model", "llama")
+    report = run_json(
+        "chunk_budget.py", "--model", str(model), "--budgets", "64,128", "--concurrency", "2",
+        "--waves", "2", "--prompt-len", "40", "--output-len", "8", "--offline-requests", "4",
+        "--threads", "1", "--max-num-seqs", "4", "--max-model-len", "128",
+    )  # fmt: skip
+    rows = {(r["budget"], r["concurrency"]): r for r in report["summary"]}
+    assert set(rows) == {(64, 2), (64, "offline"), (128, 2), (128, "offline")}
+    for (_, n), row in rows.items():
+        if n == "offline":
+            assert row["offline_tokens_per_s"] > 0
+        else:
+            assert row["tokens_per_s"] > 0 and 0 < row["ttft_p50_ms"] <= row["e2e_p50_ms"]

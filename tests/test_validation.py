@@ -113,6 +113,22 @@ def test_batched_token_budget_must_cover_every_running_request(model_dir) -> Non
         args.create_engine_config()
 
 
+@pytest.mark.parametrize(("max_num_seqs", "given", "budget"), [
+    (64, None, 512),  # a CPU step of 2048 tokens runs for hundreds of ms (config.py)
+    (256, None, 512),
+    (1024, None, 1024),  # never under max_num_seqs: every running request gets its token
+    (64, 2048, 2048),  # a given budget is kept
+])  # fmt: skip
+def test_cpu_step_budget(max_num_seqs: int, given: int | None, budget: int, model_dir) -> None:
+    args = EngineArgs(
+        model=str(model_dir("llama")),
+        device="cpu",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=given,
+    )
+    assert args.create_engine_config().scheduler_config.max_num_batched_tokens == budget
+
+
 def test_max_model_len_cannot_exceed_the_model(model_dir) -> None:
     args = EngineArgs(model=str(model_dir("llama")), max_model_len=10**6)
     with pytest.raises(ValueError, match=r"EngineArgs\.max_model_len"):

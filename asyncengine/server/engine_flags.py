@@ -42,7 +42,8 @@ CACHE = FlagGroup(
         "num_cpu_blocks_override": "use exactly this many CPU swap blocks (default: as many as "
         "--swap-space holds)",
         "max_num_seqs": "most requests running in one step",
-        "max_num_batched_tokens": "token budget of one step (default: max(2048, max_num_seqs))",
+        "max_num_batched_tokens": "token budget of one step (default: max(512, max_num_seqs) "
+        "on a CPU, max(2048, max_num_seqs) on a GPU)",
         "max_model_len": "context length: the most tokens of prompt and output one request may "
         "have (default: the model's max_position_embeddings)",
         "preemption_mode": "what happens to a preempted request's KV: swap (to CPU blocks; "
