@@ -20,8 +20,9 @@ of the two is what gRPC, the servicer and the client cost per token.
 
 ITL: each Delta's gap since the previous one, spread evenly over the tokens it carries (deltas
 merge tokens when the client is slower than the engine). Over HTTP a chunk says no token count
-(only the final usage does): TTFT is the first chunk with text, as `vllm bench serve` takes it,
-and ITL the gaps between chunks. The client runs in this process and shares the machine with
+(only the final usage does): TTFT is the first chunk with text (`vllm bench serve` takes the
+first chunk, text or not: a token whose character is incomplete is a chunk with no text), and
+ITL the gaps between chunks with text. The client runs in this process and shares the machine with
 the server.
 """
 

@@ -9,6 +9,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -152,3 +153,55 @@ def test_the_openai_client_streams_through_keep_alives(slow_server: ServerThread
     chunks = list(client.completions.create(**args, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def prompt_whose_first_token_starts_a_character(model: Path, vocab_size: int) -> list[int]:
+    """Token ids after which the fake runner's first token is one byte that starts a UTF-8
+    character of 2-4 bytes: a token with no text of its own yet."""
+    from transformers import AutoTokenizer
+
+    from asyncengine.worker.fake_runner import count_up
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    # byte-level BPE (GPT-2's) spells the bytes that are not printable ASCII or Latin-1 as
+    # the characters from U+0100 on, in byte order
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [byte for byte in range(256) if byte not in printable]
+    byte_of = {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+    script = count_up(vocab_size)
+    for last in range(3, vocab_size):
+        prompt = [5, 6, 7, last]
+        first = script(SimpleNamespace(token_ids=prompt, num_tokens=len(prompt)))
+        piece = tokenizer.convert_ids_to_tokens(first)
+        if len(piece) == 1 and 0xC2 <= byte_of.get(piece, 0) <= 0xF4:
+            return prompt
+    raise AssertionError("no prompt starts its output with a lead byte")
+
+
+def test_a_token_without_text_yet_is_a_chunk_of_its_own(
+    slow_server: ServerThread, chat_model: Path
+) -> None:
+    """vLLM streams a chunk for every step's tokens, its text empty while a character is still
+    incomplete, and `vllm bench serve` takes the first chunk as the first token: one held back
+    until its text is whole read as a late first token and fewer, longer ITLs."""
+    vocab_size = json.loads((chat_model / "config.json").read_text())["vocab_size"]
+    prompt = prompt_whose_first_token_starts_a_character(chat_model, vocab_size)
+    request = {"model": slow_server.model, "prompt": prompt, "max_tokens": 6, "stream": True,
+               "ignore_eos": True}  # fmt: skip
+    events, _ = spec_events(b"".join(stream_writes(slow_server, "/v1/completions", request)))
+    texts = [event["choices"][0]["text"] for event in events if event["choices"]]
+    assert texts[0] == ""  # the lead byte alone
+    assert len(texts) == 6  # a chunk a token: every 150 ms step makes one
+
+
+def test_a_chat_stream_starts_with_its_first_token(slow_server: ServerThread) -> None:
+    """The role chunk comes with the first tokens, as vLLM sends it, not before the prompt is
+    read: a client timing the first token by the first chunk would read the request's arrival."""
+    request = {"model": slow_server.model, "max_tokens": 2, "stream": True,
+               "messages": [{"role": "user", "content": "Hi"}]}  # fmt: skip
+    body = b"".join(stream_writes(slow_server, "/v1/chat/completions", request))
+    before = body[: body.index(b"data:")]
+    # the first step takes 150 ms: keep-alives (blank lines) every 50 ms until its tokens
+    assert before == b"\n\n" * (len(before) // 2) and len(before) >= 4, body
+    events, _ = spec_events(body)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}

@@ -200,14 +200,18 @@ async def _events(
     ctx: HttpContext, call: Call, chunks: _Chunks, num_samples: int, num_top: int | None
 ) -> AsyncGenerator[str, None]:
     heartbeat_s = ctx.state.options.heartbeat_interval
+    is_started = False
     try:
-        for index in range(num_samples):  # the role first, as OpenAI sends it
-            delta = protocol.ChatDelta(role="assistant", content="")
-            yield chunks.frame([protocol.ChatChunkChoice(index=index, delta=delta)])
         while not call.is_done:
             ready = await call.next_outputs(heartbeat_s)
             if not ready:
                 yield sse.KEEPALIVE
+                continue
+            if not is_started:  # each sample's role first, with the first tokens, as vLLM
+                is_started = True  # sends it: a client times its first token by this chunk
+                for index in range(num_samples):
+                    delta = protocol.ChatDelta(role="assistant", content="")
+                    yield chunks.frame([protocol.ChatChunkChoice(index=index, delta=delta)])
             for _, out in ready:
                 for completion in out.outputs:
                     choice = await _delta_choice(ctx, completion, num_top)
@@ -226,8 +230,8 @@ async def _delta_choice(
 ) -> protocol.ChatChunkChoice | None:
     """One sample's new content, with its finish reason when it is the last."""
     finish = completion.finish
-    # tokens without text yet (a character still incomplete) say something only as logprobs
-    if not completion.text and finish is None and (num_top is None or not completion.token_ids):
+    # tokens whose character is still incomplete are a chunk with no text, as vLLM streams them
+    if not completion.text and not completion.token_ids and finish is None:
         return None
     logprobs = None
     if num_top is not None and completion.logprobs:

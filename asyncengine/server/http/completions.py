@@ -255,8 +255,9 @@ async def _delta_choice(
         entries += completion.logprobs or []
         hidden += ctx.texts.skipped(completion.token_ids, plan.skip_special_tokens)
     finish = completion.finish
-    # tokens without text yet (a character still incomplete) say something only as logprobs
-    if not text and finish is None and (plan.num_top is None or not token_ids):
+    # tokens whose character is still incomplete are a chunk with no text, as vLLM streams
+    # them: a client times its first token, and counts tokens, by the chunks
+    if not text and not token_ids and finish is None:
         return None
     logprobs = None
     if plan.num_top is not None:
