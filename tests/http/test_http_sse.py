@@ -205,3 +205,19 @@ def test_a_chat_stream_starts_with_its_first_token(slow_server: ServerThread) ->
     assert before == b"\n\n" * (len(before) // 2) and len(before) >= 4, body
     events, _ = spec_events(body)
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_the_openai_client_streams_a_chat_that_starts_with_keep_alives(
+    slow_server: ServerThread,
+) -> None:
+    client = slow_server.client()
+    args = {"model": slow_server.model, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 6}  # fmt: skip
+    whole = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == whole.choices[0].message.content
+    )
+    assert chunks[-1].choices[0].finish_reason == "length"
