@@ -36,15 +36,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
-def cpu_flags() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0].split()
-    except (OSError, IndexError):
-        return "-"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return " ".join(f for f in wanted if f in flags) or "-"
-
-
 def served(target: str, n: int, reqs: list[list[int]], max_tokens: int) -> dict[str, Any]:
     import serving
 
@@ -147,6 +138,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = ns.model or str(make_sized_llama(Path(tmp) / "model", 768, 8))
         rows = run(ns, model, tmp)
+    from grpc_floor import cpu_flags  # beside this file
+
     table = summary(rows, ns)
     machine = {"cpu": f"{platform.machine()} ({cpu_flags()})", "cores": os.cpu_count()}
     if ns.json:

@@ -40,6 +40,8 @@ def test_shared_prefixes_hit_the_cache_and_match_hf(model_dir, hf_greedy, preemp
             "num_gpu_blocks_override": 64,
             "num_cpu_blocks_override": 256,
             "preemption_mode": preemption,
+            # the whole wave prefilled in one step, so its decodes outgrow the 64 blocks
+            "max_num_batched_tokens": 2048,
         }
     llm = make_llm(path, **overrides)
     prompts = [SYSTEM + q for q in QUESTIONS]
