@@ -4,13 +4,15 @@ tokens/s, time to first token and inter-token latency.
     python benchmarks/chunk_budget.py                              # the 60M llama, 2048 vs 512
     python benchmarks/chunk_budget.py --budgets 2048,1024,512,256 --rounds 2 --json
     python benchmarks/chunk_budget.py --model DIR --concurrency 16 64
+    python benchmarks/chunk_budget.py --vllm-venv /work/venv-vllm --offline-requests 0 --rounds 3
 
 Each round starts `asyncengine serve --max-num-batched-tokens B` for each budget in turn (the
 order alternates between rounds) and runs, for each concurrency N, a closed loop of N gRPC
 streams (benchmarks/serving.py's client, in a process of its own), each streaming random
 `--prompt-len`-token prompts with `--output-len` tokens out, one request after another. With
 every output the same length, N streams start and end together: each wave's prompts arrive at
-once and wait for one another's prefill, as they do under `vllm bench serve --max-concurrency`.
+once and wait for one another's prefill, as they do under `vllm bench serve --max-concurrency`,
+which `--vllm-venv` runs instead (over HTTP, as benchmarks/vs_vllm.py does; no e2e column).
 It then times `LLM.generate` of `--offline-requests` requests of mixed lengths at each budget.
 
 A budget sets how long one step may run. Chunked prefill is always on, so every budget serves
@@ -40,6 +42,30 @@ def served(target: str, n: int, reqs: list[list[int]], max_tokens: int) -> dict[
     import serving
 
     return asyncio.run(serving.closed_loop(target, n, reqs, max_tokens))
+
+
+def served_to_vllm_bench(
+    ns: argparse.Namespace, model: str, http_port: int, n: int, seed: int, tmp: str
+) -> dict[str, Any]:
+    """The same load from `vllm bench serve` over HTTP (vs_vllm.py's run of it: random text
+    prompts of `--prompt-len` tokens, `--output-len` out, ignore_eos), in this table's terms."""
+    import vs_vllm
+
+    args = argparse.Namespace(
+        vllm_venv=ns.vllm_venv, min_serve_prompts=1, serve_prompts_per_conc=ns.waves,
+        input_len=ns.prompt_len, output_len=ns.output_len, threads=ns.threads,
+    )  # fmt: skip
+    with open(Path(tmp) / "vllm-bench.log", "a") as log:
+        got = vs_vllm.bench_serve(args, Path(model), f"http://127.0.0.1:{http_port}", n, seed, log)
+    keys = {
+        "tokens_per_s": "output_throughput",
+        "ttft_p50_ms": "p50_ttft_ms",
+        "ttft_p99_ms": "p99_ttft_ms",
+        "itl_p50_ms": "p50_itl_ms",
+        "itl_p99_ms": "p99_itl_ms",
+    }
+    row = {mine: round(float(got[theirs]), 2) for mine, theirs in keys.items()}
+    return {"concurrency": n, "requests": got["completed"], **row}
 
 
 def offline(model: str, ns: argparse.Namespace, budget: int) -> dict[str, Any]:
@@ -84,9 +110,13 @@ def run(ns: argparse.Namespace, model: str, tmp: str) -> list[dict[str, Any]]:
                 server.wait_serving()
                 for i, n in enumerate(ns.concurrency):
                     # prompts of their own each run: one sent again is served from the cache
-                    reqs = serving.prompts(ns.waves * n, ns.prompt_len, vocab, 1000 * r + i)
-                    row = serving.fresh(served, f"127.0.0.1:{server.port}", n, reqs,
-                                        ns.output_len)  # fmt: skip
+                    seed = 1000 * r + i
+                    if ns.vllm_venv is not None:
+                        row = served_to_vllm_bench(ns, model, server.http_port, n, seed, tmp)
+                    else:
+                        reqs = serving.prompts(ns.waves * n, ns.prompt_len, vocab, seed)
+                        row = serving.fresh(served, f"127.0.0.1:{server.port}", n, reqs,
+                                            ns.output_len)  # fmt: skip
                     rows.append({"round": r, "budget": budget, **row})
                     print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             finally:
@@ -128,6 +158,12 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vllm-venv",
+        type=Path,
+        help="serve to `vllm bench serve` from this venv (benchmarks/vs_vllm.py --install) over "
+        "HTTP instead of this repo's gRPC client",
+    )
     p.add_argument("--json", action="store_true")
     ns = p.parse_args()
     sys.path.insert(0, str(HERE))  # serving.py, for the spawned clients too
@@ -143,7 +179,8 @@ def main() -> None:
     table = summary(rows, ns)
     machine = {"cpu": f"{platform.machine()} ({cpu_flags()})", "cores": os.cpu_count()}
     if ns.json:
-        print(json.dumps({"config": vars(ns), **machine, "summary": table, "runs": rows}))
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()}
+        print(json.dumps({"config": config, **machine, "summary": table, "runs": rows}))
         return
     print(f"the step's token budget: {ns.prompt_len}-token prompts, {ns.output_len} tokens out, "
           f"{ns.rounds} round(s), medians; CPU {machine['cpu']}, {machine['cores']} cores, "
@@ -156,7 +193,7 @@ def main() -> None:
         else:
             keys = ["tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                     "e2e_p50_ms"]  # fmt: skip
-            cells = [r["budget"], r["concurrency"], *(r[k] for k in keys)]
+            cells = [r["budget"], r["concurrency"], *(r.get(k, "-") for k in keys)]
         print("  ".join(f"{c:>9}" for c in cells))
 
 
