@@ -16,16 +16,17 @@ class LazyTimer:
     """
 
     def __init__(self, callback: Callable[[], None]) -> None:
+        """Made on the event loop it times (each lookup of the running loop is a getpid call)."""
         self._callback = callback
+        self._loop = asyncio.get_running_loop()
         self._deadline: float | None = None  # loop time the callback is due; None: stopped
         self._handle: asyncio.TimerHandle | None = None
         self._handle_at = 0.0
 
     def start(self, delay: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._deadline = deadline = loop.time() + delay
+        self._deadline = deadline = self._loop.time() + delay
         if self._handle is None or self._handle_at > deadline:
-            self._arm(loop, deadline)
+            self._arm(deadline)
 
     def stop(self) -> None:
         """Nothing is called until the next `start` (the loop timer may still fire, idle)."""
@@ -38,19 +39,18 @@ class LazyTimer:
             self._handle.cancel()
             self._handle = None
 
-    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+    def _arm(self, when: float) -> None:
         if self._handle is not None:
             self._handle.cancel()
-        self._handle, self._handle_at = loop.call_at(when, self._fire), when
+        self._handle, self._handle_at = self._loop.call_at(when, self._fire), when
 
     def _fire(self) -> None:
         self._handle = None
         deadline = self._deadline
         if deadline is None:
             return
-        loop = asyncio.get_running_loop()
-        if loop.time() < deadline:  # restarted since this timer was set
-            self._arm(loop, deadline)
+        if self._loop.time() < deadline:  # restarted since this timer was set
+            self._arm(deadline)
             return
         self._deadline = None
         self._callback()
