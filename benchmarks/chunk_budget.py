@@ -174,7 +174,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = ns.model or str(make_sized_llama(Path(tmp) / "model", 768, 8))
         rows = run(ns, model, tmp)
-    from grpc_floor import cpu_flags  # beside this file
+    from machine import cpu_flags  # beside this file
 
     table = summary(rows, ns)
     machine = {"cpu": f"{platform.machine()} ({cpu_flags()})", "cores": os.cpu_count()}

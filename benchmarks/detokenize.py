@@ -16,11 +16,11 @@ import argparse
 import json
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
+from machine import cpu_flags  # beside this file
 
 from asyncengine import EngineArgs, SamplingParams
 from asyncengine.engine.llm_engine import LLMEngine
@@ -101,12 +101,6 @@ def measure(model: str, num_requests: int, max_tokens: int) -> dict[str, Any]:
         "detokenize_us_per_token": round(1e6 * detok_s / max(totals["num_tokens"], 1), 2),
         "channel_us_per_output": round(1e6 * channel_s / max(num_outputs, 1), 2),
     }
-
-
-def cpu_flags() -> str:
-    flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0]
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return " ".join(f for f in wanted if f" {f}" in flags) or "-"
 
 
 def main() -> None:

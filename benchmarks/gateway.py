@@ -32,16 +32,11 @@ from typing import Any
 
 import openai
 from loadbalancer import load_launcher
+from machine import cpu_flags  # beside this file
 from serving import SMALL_MODEL, free_ports, percentile
 
 MODEL_NAME = "bench"
 MODES = ["smg_cache_aware", "smg_round_robin", "haproxy_leastconn"]
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
-    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def make_prompts(tokenizer: Any, ns: argparse.Namespace, seed: int) -> list[str]:

