@@ -159,6 +159,28 @@ def test_invalid_utf8_is_a_400_naming_its_field(small: ServerThread) -> None:
     assert _post(small, "/v1/completions", ok)[0] == 200
 
 
+_DEEP = 5000  # past Python's recursion limit, the JSON decoder's depth
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * _DEEP + b"]" * _DEEP + b"}"),
+        (
+            "/v1/completions",
+            b'{"prompt": "hi", "logit_bias": ' + b'{"a":' * _DEEP + b"1" + b"}" * (_DEEP + 1),
+        ),
+        ("/v1/chat/completions", b'{"messages": [' + b"[" * _DEEP + b"]" * _DEEP + b"]}"),
+    ],
+)
+def test_json_nested_too_deeply_is_a_400(small: ServerThread, path: str, body: bytes) -> None:
+    """Today a 500: the decoder's RecursionError, whether the field is read or ignored."""
+    status, reply = _post(small, path, body)
+    assert status == 400, reply
+    assert "nested too deeply" in reply["error"]["message"], reply
+    assert _post(small, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')[0] == 200
+
+
 def test_many_prompts_or_messages_are_refused_before_they_are_built(small: ServerThread) -> None:
     """Counted before the list is split (prompts) or each one built (messages): a body of
     many tiny elements costs the server a count, not millions of objects."""

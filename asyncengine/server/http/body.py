@@ -43,6 +43,7 @@ OTHER_FIELD_BYTES = 64 * 1024
 # names of fields a body carries that its route does not read, kept to be logged
 MAX_UNDECLARED = 64
 _STRUCTURE_BYTES = 64 * 1024  # a message's or a schema's keys and punctuation
+NESTED_TOO_DEEPLY = "JSON nested too deeply (arrays and objects within each other)"
 _ROOT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ANY = msgspec.json.Decoder()
 _ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
@@ -120,6 +121,8 @@ def decode(body: bytes | bytearray, model: type[M], bounds: BodyBounds) -> M:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         named = surrogate_error(body)
         raise named or _invalid_json(f"the body is not a valid JSON object: {exc}") from None
+    except RecursionError:  # the decoder's depth is Python's recursion limit
+        raise _invalid_json(f"the body is {NESTED_TOO_DEEPLY}") from None
     values: dict[str, Any] = {}
     undeclared: list[str] = []
     for name, raw in fields.items():
@@ -216,6 +219,8 @@ def _decode_text(name: str, raw: msgspec.Raw, type_: Any = Any) -> Any:
         raise InvalidParamError(
             name, f"is not valid JSON text (invalid UTF-8 or a lone surrogate?): {exc}"
         ) from None
+    except RecursionError:
+        raise InvalidParamError(name, f"is {NESTED_TOO_DEEPLY}") from None
 
 
 def _validated_elements(name: str, batch: Iterable[msgspec.Raw]) -> list[Any]:
