@@ -95,6 +95,8 @@ class Scheduler:
         self.running = _Queue()
         self.swapped = _Queue()
         self.requests: dict[str, Request] = {}
+        # during a step's admissions: running sequences, with the samples still to be forked
+        self._num_promised_seqs = 0
         # preempted requests, by mode: "swap" | "recompute"
         self.num_preemptions: Counter[str] = Counter()
         # a sequence stops at max_model_len, or when it fills the whole cache: it could
@@ -158,6 +160,9 @@ class Scheduler:
         if spec is not None and not spec.is_on_for(sum(map(_is_decode, self.running))):
             spec = None
         self._schedule_running(out, budget, spec)
+        # what admissions may add to, up to max_num_seqs: a parent still prefilling runs alone,
+        # and the samples it forks once its prompt is in need slots of their own
+        self._num_promised_seqs = sum(1 + req.num_pending_samples for req in self.running)
         if not out.preempted:
             self._schedule_swapped(out, budget)
         # swapped requests are older than any new one: let them back in first
@@ -269,6 +274,7 @@ class Scheduler:
                 continue
             out.blocks_to_swap_in += self.block_manager.swap_in(*group)
             active.add(group[0].lora_int_id)
+            self._num_promised_seqs += _num_seqs(group)
             for req in group:
                 self.swapped.remove(req)
                 out.blocks_to_copy += self.block_manager.append_slot(req)
@@ -297,6 +303,7 @@ class Scheduler:
                 break
             self.waiting.pop(num_skipped)
             active.add(req.lora_int_id)
+            self._num_promised_seqs += _num_seqs([req])
             num_cached = self.block_manager.allocate(req, _uses_cache(req)).num_cached_tokens
             req.num_computed_tokens = num_cached
             if req.num_preemptions == 0:
@@ -325,9 +332,8 @@ class Scheduler:
         return num_active < self.loras.max_loras and self.loras.is_ready(lora_int_id)
 
     def _has_room(self, budget: _Budget, group: list[Request]) -> bool:
-        # a request's forked samples will need running slots of their own
-        num_seqs = sum(1 + req.num_pending_samples for req in group)
-        return budget.has_room and len(self.running) + num_seqs <= self.config.max_num_seqs
+        num_seqs = self._num_promised_seqs + _num_seqs(group)
+        return budget.has_room and num_seqs <= self.config.max_num_seqs
 
     def _fork_samples(self, parent: Request) -> None:
         """Start samples 1..n-1 of `parent`, sharing its blocks (copy-on-write)."""
@@ -539,6 +545,11 @@ class _Budget:
             self.num_tokens -= num_tokens
             self.num_seqs -= 1
         return num_tokens
+
+
+def _num_seqs(group: list[Request]) -> int:
+    """The running slots `group` takes: its own, and those of the samples it will fork."""
+    return sum(1 + req.num_pending_samples for req in group)
 
 
 def _uses_cache(req: Request) -> bool:

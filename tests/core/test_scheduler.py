@@ -335,6 +335,25 @@ def test_a_request_with_more_samples_than_max_num_seqs_is_rejected_without_block
     assert_nothing_left(scheduler)
 
 
+def test_samples_a_parent_will_fork_count_against_max_num_seqs_for_later_admissions():
+    """Three requests of 3 samples each under max_num_seqs 6: the first two take the six
+    sequences, and the third waits for room although each parent runs alone while it
+    prefills. Before, the forks of parents admitted earlier in the step were not counted:
+    all three were admitted and 9 sequences ran."""
+    scheduler = create_scheduler(max_num_seqs=6)
+    requests = add_requests(
+        scheduler, [make_request(f"r{i}", prompt_len=6, max_tokens=4, n=3) for i in range(3)]
+    )
+    outputs = run_until_done(scheduler)  # each step checks the sequences promised fit
+    first_step_of = {
+        req_id: next(i for i, out in enumerate(outputs) if req_id in ids(out.scheduled))
+        for req_id in ("r0", "r1", "r2")
+    }
+    assert first_step_of["r0"] == first_step_of["r1"] == 0 < first_step_of["r2"]
+    assert all(req.num_output_tokens == 4 for req in requests)
+    assert_nothing_left(scheduler)
+
+
 def test_a_request_that_fills_the_whole_cache_finishes_by_length():
     # max_model_len above the cache (16 blocks of 4 = 64 tokens): the request can never grow
     # past the cache, so it ends by length there instead of preempting itself forever.

@@ -243,7 +243,8 @@ def _check_pairs(pairs: list[tuple[int, int]], num_src: int, num_dst: int) -> No
 
 
 def check_invariants(scheduler: Scheduler) -> None:
-    """Each live request sits in exactly the queue its status names and holds the right blocks."""
+    """Each live request sits in exactly the queue its status names and holds the right blocks;
+    the running ones, with the samples they will fork, fit max_num_seqs."""
     bm = scheduler.block_manager
     bm.check_invariants()
     queues = {
@@ -266,6 +267,9 @@ def check_invariants(scheduler: Scheduler) -> None:
                 assert req.num_computed_tokens == 0, req
     tables = [*bm.block_tables, *bm.cpu_block_tables]
     assert set(tables) <= scheduler.requests.keys(), "a finished request still holds blocks"
+    # a parent still prefilling (n > 1) runs alone, and its samples are promised their slots
+    promised = sum(1 + req.num_pending_samples for req in scheduler.running)
+    assert promised <= scheduler.config.max_num_seqs, f"{promised} sequences promised"
 
 
 def assert_nothing_left(scheduler: Scheduler) -> None:
