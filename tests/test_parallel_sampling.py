@@ -9,6 +9,7 @@ import pytest
 
 from asyncengine import LLM, AsyncLLMEngine, SamplingParams
 from asyncengine.core.scheduler import SchedulerOutput
+from asyncengine.sampling_params import RequestOutputKind
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -153,3 +154,30 @@ def test_a_one_token_prompt_forks_at_admission(model_dir):
     outs = llm.generate([[5]] * 3, separate, use_tqdm=False)
     assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in outs]
     llm.llm_engine.block_manager.check_invariants()
+
+
+def test_delta_outputs_carry_each_samples_finish_once(model_dir):
+    """A sample that stops before the others is not sent again with every later output (the
+    HTTP stream repeated its finish_reason chunk), and the deltas add up to the final."""
+    llm = make_llm(model_dir)
+    engine = llm.llm_engine
+    stops = list(range(3, llm.get_tokenizer().vocab_size, 8))  # each sample meets one soon
+    params = dict(n=4, temperature=1.0, seed=SEED, max_tokens=40, stop_token_ids=stops)
+    [final] = llm.generate([PROMPT], SamplingParams(**params), use_tqdm=False)
+    engine.add_request("d", PROMPT, SamplingParams(**params, output_kind=RequestOutputKind.DELTA))
+    finishes: Counter[int] = Counter()
+    finished_at: dict[int, int] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(4)}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            for completion in out.outputs:
+                assert completion.index not in finished_at, "a finished sample sent again"
+                tokens[completion.index] += completion.token_ids
+                if completion.finish is not None:
+                    finishes[completion.index] += 1
+                    finished_at[completion.index] = step
+    assert finishes == {i: 1 for i in range(4)}
+    assert len(set(finished_at.values())) > 1  # the samples did stop at different steps
+    assert [tokens[i] for i in range(4)] == [c.token_ids for c in final.outputs]

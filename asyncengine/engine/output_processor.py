@@ -56,6 +56,7 @@ class _Sample:
     # what DELTA outputs have carried so far
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    is_finish_sent: bool = False  # its last DELTA went out: later outputs leave it out
 
 
 class RequestState:
@@ -188,8 +189,12 @@ class RequestState:
             outputs = [_completion(samples[0], is_delta)]
             finished_time, num_preemptions = only.finished_time, only.num_preemptions
             num_output_tokens = len(only.token_ids) - only.num_prompt_tokens
-        else:
-            outputs = [_completion(samples[i], is_delta) for i in sorted(samples)]
+        else:  # a DELTA carries the samples still going and those that end now
+            outputs = [
+                _completion(samples[i], is_delta)
+                for i in sorted(samples)
+                if not samples[i].is_finish_sent
+            ]
             finished_time = max(s.req.finished_time or 0.0 for s in samples.values())
             num_preemptions = sum(s.req.num_preemptions for s in samples.values())
             num_output_tokens = max(s.req.num_output_tokens for s in samples.values())
@@ -244,6 +249,7 @@ def _completion(sample: _Sample, is_delta: bool) -> CompletionOutput:
         text = text[start_char:]
         if params.logprobs is not None:
             logprobs = sample.logprobs[start_token:]
+        sample.is_finish_sent = req.is_finished
     else:
         token_ids = req.output_token_ids
         if params.logprobs is not None:
