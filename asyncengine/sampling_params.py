@@ -14,6 +14,7 @@ from asyncengine.json_schema_rules import schema_problem
 
 _GREEDY_EPS = 1e-5
 MAX_SAMPLES = 64
+MAX_SEED = 2**63  # a seed is in [0, MAX_SEED); sample i of n > 1 runs (seed + i) % MAX_SEED
 # bounds on what one request may carry, checked by count before anything is copied or scanned
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
@@ -180,7 +181,7 @@ class SamplingParams:
         _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
         if self.seed is not None:
-            _check(0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)", self.seed)
+            _check(0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)", self.seed)
         _check(
             self.repetition_penalty > 0.0,
             "repetition_penalty",

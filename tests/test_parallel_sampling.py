@@ -181,3 +181,16 @@ def test_delta_outputs_carry_each_samples_finish_once(model_dir):
     assert finishes == {i: 1 for i in range(4)}
     assert len(set(finished_at.values())) > 1  # the samples did stop at different steps
     assert [tokens[i] for i in range(4)] == [c.token_ids for c in final.outputs]
+
+
+def test_sample_seeds_past_the_largest_seed_wrap_around(model_dir):
+    """Sample i is seeded seed + i, taken modulo 2**63 (the seeds a request may give): a seed
+    near the top no longer fails the fork inside the step loop, which killed the engine."""
+    llm = make_llm(model_dir)
+    top = 2**63 - 1
+    grouped = SamplingParams(n=3, temperature=1.0, seed=top, max_tokens=8)
+    [out] = llm.generate([PROMPT], grouped, use_tqdm=False)
+    separate = [SamplingParams(temperature=1.0, seed=s, max_tokens=8) for s in (top, 0, 1)]
+    outs = llm.generate([PROMPT] * 3, separate, use_tqdm=False)
+    assert [c.token_ids for c in out.outputs] == [o.outputs[0].token_ids for o in outs]
+    llm.llm_engine.block_manager.check_invariants()

@@ -7,7 +7,7 @@ import enum
 import itertools
 import time
 
-from asyncengine.sampling_params import SamplingParams
+from asyncengine.sampling_params import MAX_SEED, SamplingParams
 
 _arrival_counter = itertools.count()
 
@@ -154,9 +154,9 @@ class Request:
 
     def fork_sample(self, index: int) -> Request:
         """Sample `index` of this request (an id of its own, the same group): same prompt and
-        K/V so far, seed `seed + index`."""
+        K/V so far, seed `seed + index` (modulo 2**63, the seeds a request may give)."""
         params = self.sampling_params
-        seed = None if params.seed is None else params.seed + index
+        seed = None if params.seed is None else (params.seed + index) % MAX_SEED
         child = Request(
             new_request_id(),
             self.prompt_token_ids,
