@@ -15,11 +15,16 @@ from asyncengine.json_schema_rules import schema_problem
 _GREEDY_EPS = 1e-5
 MAX_SAMPLES = 64
 MAX_SEED = 2**63  # a seed is in [0, MAX_SEED); sample i of n > 1 runs (seed + i) % MAX_SEED
+# integers travel to the engine process as msgpack's 64-bit ones: a count or rank past this
+# is refused by its field's name (it failed in the hand-off, a server error)
+MAX_INT = 2**63 - 1
 # bounds on what one request may carry, checked by count before anything is copied or scanned
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+_IN_INT64_FROM_0 = "must be in [0, 2**63)"
+_IN_INT64_FROM_1 = "must be in [1, 2**63)"
 _MAX_SHOWN = 120  # characters of a bad value an error message repeats
 # bounds on a constraint, measured before it is parsed or compiled
 MAX_CONSTRAINT_LEN = 64 * 1024  # characters of a schema, regex or grammar
@@ -167,8 +172,8 @@ class SamplingParams:
             _check(math.isfinite(value), name, "must be a finite number", value)
         _check(1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]", self.n)
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, "max_tokens", "must be >= 1", self.max_tokens)
-        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0", self.min_tokens)
+            _check(1 <= self.max_tokens <= MAX_INT, "max_tokens", _IN_INT64_FROM_1, self.max_tokens)
+        _check(0 <= self.min_tokens <= MAX_INT, "min_tokens", _IN_INT64_FROM_0, self.min_tokens)
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
@@ -178,7 +183,7 @@ class SamplingParams:
             )
         _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
-        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables)", self.top_k)
+        _check(0 <= self.top_k <= MAX_INT, "top_k", f"{_IN_INT64_FROM_0} (0 disables)", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
         if self.seed is not None:
             _check(0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)", self.seed)

@@ -24,6 +24,9 @@ from asyncengine.sampling_params import (
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -1),
+        ("top_k", 2**64),  # past what the engine process's messages carry: was an OverflowError
+        ("max_tokens", 2**63),
+        ("min_tokens", 10**30),
         ("min_p", 1.5),
         ("seed", -1),
         ("repetition_penalty", 0.0),

@@ -252,7 +252,7 @@ class AsyncLLMEngine:
         parsed = parse_prompt(prompt, cache_salt)
         text_or_ids, cache_salt = parsed.prompt, parsed.cache_salt
         validator = self._front.validator
-        validator.check_inputs(request_id, text_or_ids, sampling_params, cache_salt)
+        validator.check_inputs(request_id, text_or_ids, sampling_params, cache_salt, priority)
         stream = RequestStream(
             request_id,
             is_delta=sampling_params.output_kind is RequestOutputKind.DELTA,

@@ -221,7 +221,7 @@ class LLMEngine:
         An adapter (`lora_request`) not registered yet is registered first (read from disk)."""
         if request_id in self._states:
             raise DuplicateRequestError(request_id)
-        self.validator.check_inputs(request_id, prompt, sampling_params, cache_salt)
+        self.validator.check_inputs(request_id, prompt, sampling_params, cache_salt, priority)
         if lora_request is not None:
             self.add_lora(lora_request)
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)

@@ -95,6 +95,20 @@ def test_a_field_that_is_not_honoured_is_a_400_naming_it(
     assert refused.value.body["param"] == param  # type: ignore[index]
 
 
+@pytest.mark.parametrize(
+    "extra, param",
+    [({"priority": 10**30}, "priority"), ({"priority": -(10**30)}, "priority"),
+     ({"top_k": 2**64}, "top_k")],
+)  # fmt: skip
+def test_an_integer_past_64_bits_is_a_400_naming_it(
+    server: ServerThread, extra: dict[str, Any], param: str
+) -> None:
+    """Was a 500: the engine process's message could not carry it (an OverflowError)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        complete(server, prompt="hi", max_tokens=2, extra_body=extra)
+    assert refused.value.body["param"] == param  # type: ignore[index]
+
+
 def test_a_grammar_that_does_not_compile_names_guided_grammar(server: ServerThread) -> None:
     """Named by the field it came from, though the engine refuses it when the request is added."""
     with pytest.raises(openai.BadRequestError) as refused:
