@@ -74,7 +74,12 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        # json_object=False is unset; json=False is a schema (one that admits nothing)
+        kinds = [
+            k
+            for k in _CONSTRAINT_KINDS
+            if getattr(self, k) is not None and not (k == "json_object" and not self.json_object)
+        ]
         if len(kinds) != 1:
             rule = "set exactly one of json, regex, choice, grammar or json_object"
             raise InvalidRequestError(
@@ -87,7 +92,8 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None:
                 is_text = isinstance(value, str) and value != ""
-                _check(is_text, _field(name), "must be a non-empty string", type(value).__name__)
+                shown = value if isinstance(value, str) else type(value).__name__
+                _check(is_text, _field(name), "must be a non-empty string", shown)
                 _check_len(value, _field(name))
         if self.choice is not None:
             _check_count(self.choice, _field("choice"), MAX_CHOICES)

@@ -11,6 +11,7 @@ from asyncengine.sampling_params import (
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    StructuredOutputsParams,
 )
 
 
@@ -142,3 +143,20 @@ def test_max_model_len_cannot_exceed_the_model(model_dir) -> None:
 def test_every_power_of_two_block_size_is_accepted(block_size: int, model_dir) -> None:
     config = EngineArgs(model=str(model_dir("llama")), block_size=block_size).create_engine_config()
     assert config.cache_config.block_size == block_size
+
+
+@pytest.mark.parametrize(
+    "fields, field, shown",
+    [
+        ({"json": False}, "structured_outputs.json", "'bool'"),  # was: "set exactly one of ..."
+        ({"regex": ""}, "structured_outputs.regex", "''"),  # was: got 'str'
+        ({"grammar": 3}, "structured_outputs.grammar", "'int'"),
+    ],
+)
+def test_a_bad_constraint_is_named_with_what_was_sent(
+    fields: dict[str, object], field: str, shown: str
+) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        StructuredOutputsParams(**fields)  # type: ignore[arg-type]
+    assert caught.value.field == field
+    assert str(caught.value).endswith(f"got {shown}"), str(caught.value)

@@ -109,6 +109,15 @@ def test_an_integer_past_64_bits_is_a_400_naming_it(
     assert refused.value.body["param"] == param  # type: ignore[index]
 
 
+def test_a_false_json_schema_is_named_as_the_schema(server: ServerThread) -> None:
+    """`false` is a JSON Schema (it admits nothing), not an unset one: was a 400 blaming
+    response_format for setting no constraint."""
+    schema_false = {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        complete(server, prompt="hi", max_tokens=2, extra_body={"response_format": schema_false})
+    assert refused.value.body["param"] == "response_format.json_schema.schema"  # type: ignore[index]
+
+
 def test_a_grammar_that_does_not_compile_names_guided_grammar(server: ServerThread) -> None:
     """Named by the field it came from, though the engine refuses it when the request is added."""
     with pytest.raises(openai.BadRequestError) as refused:
