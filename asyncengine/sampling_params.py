@@ -148,6 +148,8 @@ class SamplingParams:
     # the logprob of each prompt token given the ones before it (the first gets None), with
     # this many top alternatives: what OpenAI's `echo` scores (lm-eval's loglikelihood)
     prompt_logprobs: int | None = None
+    # keep only the prompt's last k tokens (left truncation; -1: the model's context length)
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -214,6 +216,10 @@ class SamplingParams:
             "must be non-negative integers",
             self.stop_token_ids,
         )
+        if self.truncate_prompt_tokens is not None:
+            keep = self.truncate_prompt_tokens
+            is_valid = keep == -1 or 1 <= keep <= MAX_INT
+            _check(is_valid, "truncate_prompt_tokens", "must be -1 or in [1, 2**63)", keep)
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]", self.logprobs)
         if self.prompt_logprobs is not None:

@@ -40,6 +40,8 @@ from asyncengine.sampling_params import (
         ("stop_token_ids", [-1]),
         ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
         ("logprobs", 21),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
         ("temperature", float("nan")),
         ("top_p", float("nan")),
         ("presence_penalty", float("inf")),

@@ -99,6 +99,24 @@ def test_get_tokenizer_is_what_text_prompts_are_encoded_with(plain_llm: LLM) -> 
     assert out.prompt_token_ids == tokenizer.encode("양자역학 설명해줄래?")
 
 
+@pytest.mark.parametrize("prompt_kind", ["text", "ids"])
+def test_truncate_prompt_tokens_keeps_the_prompts_end(plain_llm: LLM, prompt_kind: str) -> None:
+    """vLLM's SamplingParams.truncate_prompt_tokens: the last k prompt tokens are the prompt;
+    -1 keeps up to the context length (here all of a short prompt)."""
+    text = "The quick brown fox jumps over the lazy dog, again and again and again."
+    ids = plain_llm.get_tokenizer().encode(text)
+    prompt: str | list[int] = text if prompt_kind == "text" else ids
+    kept = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=5)
+    keep_all = SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True, truncate_prompt_tokens=-1
+    )
+    truncated, whole = plain_llm.generate([prompt, prompt], [kept, keep_all])
+    (expected,) = plain_llm.generate([ids[-5:]], GREEDY)
+    assert truncated.prompt_token_ids == ids[-5:]
+    assert truncated.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert whole.prompt_token_ids == ids
+
+
 def test_chat_renders_the_template_opens_the_reply_and_adds_no_second_bos(chat_llm: LLM) -> None:
     tokenizer = chat_llm.get_tokenizer()
     (out,) = chat_llm.chat(HELLO, GREEDY)

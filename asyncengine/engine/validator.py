@@ -100,13 +100,17 @@ class RequestValidator:
         tenant: str | None = None,
         strict_max_tokens: bool = False,
     ) -> ValidatedRequest:
-        """The checks on the tokenized prompt; returns the request ready to queue.
+        """The checks on the tokenized prompt (its last `truncate_prompt_tokens` when set);
+        returns the request ready to queue.
 
         `tenant` (a front end's caller identity) salts the prefix cache under `cache_salt`:
         tenants never share cached blocks, and `cache_salt` splits further within one.
         A `max_tokens` past the context length caps the output (CONTEXT_LIMIT), as in vLLM's
         Python API; with `strict_max_tokens` (the wire APIs' rule) it is an error instead.
         """
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # the prompt's end, as vLLM keeps it
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len if keep == -1 else keep) :]
         num_tokens = len(prompt_token_ids)
         if num_tokens == 0:
             raise InvalidRequestError("prompt", "is empty")

@@ -98,6 +98,23 @@ def test_a_field_that_is_not_honoured_or_out_of_range_is_a_400_naming_it(
     assert refused.value.body["param"] == param  # type: ignore[index]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerThread) -> None:
+    """vLLM's field, on completions and chat: the prompt is its last k tokens (was a 400)."""
+    ids = list(range(10, 40))
+    done = complete(server, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": 7})
+    assert done.usage.prompt_tokens == 7
+    chat = server.client().chat.completions.create(
+        model=server.model,
+        messages=[{"role": "user", "content": "a long question " * 8}],
+        max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 5},
+    )
+    assert chat.usage.prompt_tokens == 5
+    with pytest.raises(openai.BadRequestError) as refused:
+        complete(server, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
+    assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
 def test_a_false_json_schema_is_named_as_the_schema(server: ServerThread) -> None:
     """`false` is a JSON Schema (it admits nothing), not an unset one: was a 400 blaming
     response_format for setting no constraint."""

@@ -41,6 +41,7 @@ COMPLETION_PARAMS = {
     "logprobs": "logprobs",
     "prompt_logprobs": "logprobs",  # echo scores the prompt with the same k
     "skip_special_tokens": "skip_special_tokens",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
     # a constraint's fields (structured_outputs.regex, ...) are named by fields.constraint
 }
 CHAT_PARAMS = {
@@ -115,6 +116,7 @@ def sampling_params(
         include_stop_str_in_output=request.include_stop_str_in_output,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        truncate_prompt_tokens=request.truncate_prompt_tokens,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
         output_kind=output_kind,

@@ -63,6 +63,7 @@ class _SamplingFields(Lenient):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: the context)
     # a constraint on the output: OpenAI's response_format, vLLM's structured_outputs, or
     # vLLM's older guided_* fields (fields.py: at most one of them)
     response_format: dict[str, Any] | None = None
@@ -78,7 +79,6 @@ class _SamplingFields(Lenient):
     allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    truncate_prompt_tokens: Any = None
     spaces_between_special_tokens: Any = None
     prompt_logprobs: Any = None
     return_tokens_as_token_ids: Any = None
@@ -102,7 +102,6 @@ class _SamplingFields(Lenient):
         "allowed_token_ids": None,
         "bad_words": None,
         "logits_processors": None,
-        "truncate_prompt_tokens": None,
         "spaces_between_special_tokens": True,
         "prompt_logprobs": None,
         "return_tokens_as_token_ids": False,
