@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS = 1024
+MAX_ALLOWED_TOKEN_IDS = 4096  # the mask is built from them on every step
 _IN_INT64_FROM_0 = "must be in [0, 2**63)"
 _IN_INT64_FROM_1 = "must be in [1, 2**63)"
 _MAX_SHOWN = 120  # characters of a bad value an error message repeats
@@ -152,6 +153,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only these (vLLM's); None: any
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -161,10 +163,13 @@ class SamplingParams:
         _check_count(stops, "stop", MAX_STOP_STRINGS)
         _check_count(self.stop_token_ids or [], "stop_token_ids", MAX_STOP_TOKEN_IDS)
         _check_count(self.logit_bias or {}, "logit_bias", MAX_LOGIT_BIAS)
+        _check_count(self.allowed_token_ids or [], "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS)
         self.stop = list(stops)
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
 
     def _validate(self) -> None:
@@ -216,6 +221,14 @@ class SamplingParams:
             "must be non-negative integers",
             self.stop_token_ids,
         )
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            _check(
+                len(allowed) > 0 and all(isinstance(t, int) and t >= 0 for t in allowed),
+                "allowed_token_ids",
+                "must be non-negative integers, at least one",
+                allowed[:8],
+            )
         if self.truncate_prompt_tokens is not None:
             keep = self.truncate_prompt_tokens
             is_valid = keep == -1 or 1 <= keep <= MAX_INT

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import SamplingParams
 from asyncengine.worker.sampler import Sampler, batched_probs_of, draw, invert_cdf, probs_of
 
@@ -109,3 +110,24 @@ def test_the_inverse_cdf_never_picks_a_token_of_probability_zero() -> None:
     assert invert_cdf(probs, torch.tensor([below_one, below_one])).tolist() == [4, 5]
     # at the edge between two tokens: the next one, whose mass the draw is in
     assert invert_cdf(probs, torch.tensor([0.3, 2 / 3])).tolist() == [4, 5]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_are_the_only_tokens_sampled(model_dir, temperature: float) -> None:
+    """vLLM's allowed_token_ids: every sample of every step comes from the list, greedy or
+    not; the request's logprobs stay those of the model's own distribution."""
+    from asyncengine import LLM
+
+    llm = LLM(model=str(model_dir("llama")), device="cpu", dtype="float32")
+    allowed = [7, 19, 300]
+    params = SamplingParams(
+        n=3, temperature=temperature, seed=5, max_tokens=20, ignore_eos=True,
+        allowed_token_ids=allowed, logprobs=0,
+    )  # fmt: skip
+    [out] = llm.generate(["Once upon a time"], params, use_tqdm=False)
+    for sample in out.outputs:
+        assert len(sample.token_ids) == 20 and set(sample.token_ids) <= set(allowed)
+        assert sample.logprobs is not None and len(sample.logprobs) == 20
+    with pytest.raises(InvalidRequestError) as caught:
+        llm.llm_engine.add_request("bad", "hi", SamplingParams(allowed_token_ids=[10**6]))
+    assert caught.value.field == "allowed_token_ids"

@@ -7,6 +7,7 @@ import pytest
 from asyncengine import EngineArgs, SamplingParams
 from asyncengine.errors import InvalidRequestError
 from asyncengine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
@@ -41,6 +42,9 @@ from asyncengine.sampling_params import (
         ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
         ("logprobs", 21),
         ("truncate_prompt_tokens", 0),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [-1]),
+        ("allowed_token_ids", list(range(MAX_ALLOWED_TOKEN_IDS + 1))),
         ("truncate_prompt_tokens", -2),
         ("temperature", float("nan")),
         ("top_p", float("nan")),

@@ -214,6 +214,8 @@ class RequestValidator:
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         if params.logit_bias:
             self.check_token_ids("logit_bias", list(params.logit_bias))
+        if params.allowed_token_ids:
+            self.check_token_ids("allowed_token_ids", params.allowed_token_ids)
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidRequestError(
                 "logprobs", f"must be <= the vocabulary size ({self.vocab_size})"

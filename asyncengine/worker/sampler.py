@@ -261,7 +261,8 @@ def _apply_grammar_masks(logits: torch.Tensor, masks: GrammarMasks) -> None:
 
 
 def apply_penalties_and_masks(logits: torch.Tensor, req: SampledSeq) -> None:
-    """One request's row, in place: penalties, logit bias, and the min_tokens ban on stops."""
+    """One request's row, in place: penalties, logit bias, the allowed tokens, and the
+    min_tokens ban on stops."""
     params = req.sampling_params
     if params.has_penalties:
         _apply_penalties(logits, req)
@@ -269,14 +270,21 @@ def apply_penalties_and_masks(logits: torch.Tensor, req: SampledSeq) -> None:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
         bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
         logits[ids] += bias.to(logits.dtype)
+    if params.allowed_token_ids:
+        allowed = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = logits[allowed]
+        logits.fill_(-float("inf"))
+        logits[allowed] = kept
     if req.num_output_tokens < params.min_tokens:
         banned = [*params.stop_token_ids]
         if not params.ignore_eos:
             banned += req.eos_token_ids
         kept = logits[banned]
         logits[banned] = -float("inf")
-        if params.structured_outputs is not None and bool(torch.isneginf(logits).all()):
-            # the grammar allows only a stop here: the constraint wins over min_tokens
+        is_constrained = params.structured_outputs is not None or params.allowed_token_ids
+        if is_constrained and bool(torch.isneginf(logits).all()):
+            # the grammar (or the allowed tokens) leave only a stop here: it wins over
+            # min_tokens
             logits[banned] = kept
 
 

@@ -81,7 +81,8 @@ def test_guided_regex_and_json_constrain_chat(server: ServerThread) -> None:
         ({"structured_outputs": {"choice": ["a"], "whitespace_pattern": " "}},
          "structured_outputs.whitespace_pattern"),
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),  # vLLM refuses an empty list too
+        ({"allowed_token_ids": [10**9]}, "allowed_token_ids"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
          "stream_options.continuous_usage_stats"),
@@ -113,6 +114,23 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerThread) -> N
     with pytest.raises(openai.BadRequestError) as refused:
         complete(server, prompt=ids, max_tokens=2, extra_body={"truncate_prompt_tokens": 0})
     assert refused.value.body["param"] == "truncate_prompt_tokens"  # type: ignore[index]
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(
+    server: ServerThread, tokenizer: Any
+) -> None:
+    """vLLM's field: the completion is made of the allowed tokens only (was a 400)."""
+    allowed = [tokenizer.convert_tokens_to_ids(t) for t in ("x", "y")]
+    done = complete(
+        server,
+        prompt="Say something:",
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
+    text = done.choices[0].text
+    assert len(text) == 12 and set(text) <= {"x", "y"}, text
 
 
 def test_a_false_json_schema_is_named_as_the_schema(server: ServerThread) -> None:

@@ -42,6 +42,7 @@ COMPLETION_PARAMS = {
     "prompt_logprobs": "logprobs",  # echo scores the prompt with the same k
     "skip_special_tokens": "skip_special_tokens",
     "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "allowed_token_ids": "allowed_token_ids",
     # a constraint's fields (structured_outputs.regex, ...) are named by fields.constraint
 }
 CHAT_PARAMS = {
@@ -119,6 +120,7 @@ def sampling_params(
         truncate_prompt_tokens=request.truncate_prompt_tokens,
         skip_special_tokens=request.skip_special_tokens,
         logit_bias=_logit_bias(request.logit_bias),
+        allowed_token_ids=request.allowed_token_ids,
         output_kind=output_kind,
         structured_outputs=structured_outputs,
     )

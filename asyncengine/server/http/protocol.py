@@ -64,6 +64,7 @@ class _SamplingFields(Lenient):
     cache_salt: str | None = None
     priority: int = 0
     truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: the context)
+    allowed_token_ids: list[int] | None = None  # sample only these
     # a constraint on the output: OpenAI's response_format, vLLM's structured_outputs, or
     # vLLM's older guided_* fields (fields.py: at most one of them)
     response_format: dict[str, Any] | None = None
@@ -76,7 +77,6 @@ class _SamplingFields(Lenient):
     # vLLM's fields this server refuses unless they ask for nothing (`unsupported`)
     use_beam_search: Any = None
     length_penalty: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
     logits_processors: Any = None
     spaces_between_special_tokens: Any = None
@@ -99,7 +99,6 @@ class _SamplingFields(Lenient):
     unsupported: ClassVar[dict[str, object]] = {
         "use_beam_search": False,
         "length_penalty": 1.0,
-        "allowed_token_ids": None,
         "bad_words": None,
         "logits_processors": None,
         "spaces_between_special_tokens": True,
