@@ -265,8 +265,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         await writer.write(self._accepted(accepted, stream, options))
         heartbeat_s = self._state.options.heartbeat_interval
         num_top = options.logprobs if options.HasField("logprobs") else None
-        # each sample's tokens so far and its finish
-        samples: dict[int, CompletionOutput] = {}
+        # each sample's token count so far, and its latest delta with tokens (its last token)
+        # and finish: not its text and tokens, which a long output would copy per delta
+        num_tokens: dict[int, int] = {}
+        latest: dict[int, CompletionOutput] = {}
         out = None
         while out is None or not out.finished:
             ready = await call.next_outputs(heartbeat_s)
@@ -279,13 +281,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 continue
             ((_, out),) = ready
             for delta in out.outputs:
-                sample = samples.setdefault(delta.index, CompletionOutput(delta.index, "", []))
-                for msg in self._deltas(delta, len(sample.token_ids), options, num_top, writer):
+                offset = num_tokens.get(delta.index, 0)
+                for msg in self._deltas(delta, offset, options, num_top, writer):
                     writer.num_deltas += 1
                     await writer.write(pb.GenerateResponse(delta=msg))
-                sample.extend(delta)
-        for index in sorted(samples):
-            finished = self._finished(call.abort_reason(0), samples[index])
+                num_tokens[delta.index] = offset + len(delta.token_ids)
+                last = latest.get(delta.index)
+                if last is not None and not delta.token_ids:  # a finish alone
+                    last.finish, last.stop_reason = delta.finish, delta.stop_reason
+                else:
+                    latest[delta.index] = delta
+        for index in sorted(latest):
+            finished = self._finished(call.abort_reason(0), latest[index])
             finished.sequence_number = writer.next_sequence_number()
             await writer.write(pb.GenerateResponse(finished=finished))
         usage = convert.usage(out, writer.next_sequence_number())
