@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncengine import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
 from asyncengine.errors import InvalidRequestError, LoRAInUseError, LoRANotFoundError
+from asyncengine.outputs import FinishReason
 from asyncengine.sampling_params import StructuredOutputsParams
 from asyncengine.server.metrics import _lora_metrics
 from asyncengine.testing import make_random_lora
@@ -261,6 +262,51 @@ def test_one_slot_and_one_host_copy_run_every_adapter_in_turn(
     samples = {s.name: s.value for family in _lora_metrics(stats, []) for s in family.samples}
     assert samples["asyncengine_lora_host_evictions_total"] == stats.num_lora_host_evictions
     assert samples["asyncengine_lora_disk_reads_total"] == stats.num_lora_disk_reads
+
+
+def test_an_adapter_that_cannot_be_read_again_fails_its_requests_only(
+    model_dir: ModelDirFactory,
+    adapters: Callable[[Path], list[LoRARequest]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its files gone after registration, an evicted adapter's read fails: the requests
+    waiting for it end with an error, once each, and others run on. Before, they waited for
+    good while the engine read it again on every step (lora_load_failed in a hot loop)."""
+    path = model_dir("llama")
+    llm = make_llm(path, max_loras=1, max_cpu_loras=1)
+    engine = llm.llm_engine
+    first, second = adapters(path)[:2]
+    llm.add_lora(first)
+    llm.add_lora(second)  # evicts first's host copy
+    assert engine.loras is not None
+    num_reads = 0
+
+    def unreadable(lora_request: LoRARequest) -> Any:
+        nonlocal num_reads
+        num_reads += 1
+        raise InvalidRequestError("lora_request.lora_path", "has no adapter_config.json")
+
+    monkeypatch.setattr(engine.loras, "read", unreadable)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("tuned-a", [0, 5, 6, 7], params, lora_request=first)
+    engine.add_request("tuned-b", [0, 5, 8], params, lora_request=first)
+    engine.add_request("base", [0, 5, 6, 7], params)
+    finals: dict[str, Any] = {}
+    for _ in range(200):
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals, "a second final output"
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert set(finals) == {"tuned-a", "tuned-b", "base"}
+    for name in ("tuned-a", "tuned-b"):
+        assert finals[name].outputs[0].finish is FinishReason.ERROR
+        assert "could not be read" in (finals[name].error or ""), finals[name].error
+    assert finals["base"].outputs[0].token_ids == peft_greedy(path, None, [0, 5, 6, 7])
+    assert num_reads == 1
+    stats = llm.get_stats()
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
 
 
 def test_a_slow_adapter_read_holds_only_its_own_request(

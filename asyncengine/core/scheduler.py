@@ -33,7 +33,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) on the GPU
     preempted: list[Request] = field(default_factory=list)
-    rejected: list[Request] = field(default_factory=list)  # finished: can never fit
+    # finished before they ran: can never fit, or their adapter could not be loaded
+    rejected: list[Request] = field(default_factory=list)
     # LoRA: the device slot of each adapter the batch uses, and the adapters (host weights,
     # by slot) to copy into their slots before the forward; set by the engine after planning
     lora_slots: dict[int, int] = field(default_factory=dict)
@@ -62,6 +63,10 @@ class LoRAAdmission(Protocol):
 
     def is_ready(self, lora_int_id: int) -> bool:
         """Whether the adapter is in host memory (if not, its load starts, off the step)."""
+        ...
+
+    def take_unreadable(self) -> set[int]:
+        """The adapters whose load failed since the last call."""
         ...
 
 
@@ -159,6 +164,8 @@ class Scheduler:
         spec = self.spec
         if spec is not None and not spec.is_on_for(sum(map(_is_decode, self.running))):
             spec = None
+        if self.loras is not None:
+            self._end_unreadable_adapters(out)
         self._schedule_running(out, budget, spec)
         # what admissions may add to, up to max_num_seqs: a parent still prefilling runs alone,
         # and the samples it forks once its prompt is in need slots of their own
@@ -317,6 +324,18 @@ class Scheduler:
                 continue
             num_tokens = budget.take(req, reserve=0)
             out.add(req, num_tokens, self.block_manager.get_block_table(req))
+
+    def _end_unreadable_adapters(self, out: SchedulerOutput) -> None:
+        """End with an error the waiting and swapped requests whose adapter failed to load
+        (its directory changed since it was registered): they would wait for it for good."""
+        assert self.loras is not None
+        unreadable = self.loras.take_unreadable()
+        if not unreadable:
+            return
+        for req in [r for r in (*self.waiting, *self.swapped) if r.lora_int_id in unreadable]:
+            req.error = "its LoRA adapter could not be read from disk again (see the server log)"
+            self.finish_request(req, FinishReason.ERROR)
+            out.rejected.append(req)
 
     def running_loras(self) -> set[int]:
         """The adapters the running requests use (0, the base model, among them if any)."""

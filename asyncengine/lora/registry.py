@@ -3,9 +3,10 @@
 Registered adapters are read from disk at registration (`add`, which callers run off their
 event loop) and kept in host memory, least recently used evicted past `max_cpu_loras`. A
 request whose adapter is no longer there waits: `is_ready` starts its load in a thread of its
-own, so the step never reads a disk. The device has `max_loras` slots; each step gives every
-adapter of its batch a slot (the scheduler keeps the running requests to `max_loras` of them),
-reusing the least recently used slot of an adapter no running request holds.
+own, so the step never reads a disk; a load that fails ends the requests waiting for it. The
+device has `max_loras` slots; each step gives every adapter of its batch a slot (the scheduler
+keeps the running requests to `max_loras` of them), reusing the least recently used slot of an
+adapter no running request holds.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class LoRARegistry:
         self.requests: dict[int, LoRARequest] = {}
         self._host: OrderedDict[int, LoRAWeights] = OrderedDict()  # least recent first
         self._loading: dict[int, Future[LoRAWeights]] = {}
+        self._unreadable: set[int] = set()  # reads that failed, not yet taken by the scheduler
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._free_slots = list(range(config.max_loras - 1, -1, -1))
         self._loader: ThreadPoolExecutor | None = None
@@ -115,10 +117,18 @@ class LoRARegistry:
         del self._loading[lora_int_id]
         try:
             self._host[lora_int_id] = loading.result()
-        except Exception as exc:  # the directory changed since registration: tried again
+        except Exception as exc:  # the directory changed since registration
             logger.error("lora_load_failed", lora_int_id=lora_int_id, cause=repr(exc))
+            self._unreadable.add(lora_int_id)
             return False
         return True
+
+    def take_unreadable(self) -> set[int]:
+        """The adapters whose read from disk failed since the last call: the requests waiting
+        for them end with an error, and a later request reads it again (the files may be
+        back), so a broken directory costs one read per wave of requests, not one per step."""
+        unreadable, self._unreadable = self._unreadable, set()
+        return unreadable
 
     def wait_for_reads(self, timeout_s: float) -> None:
         """Block until an adapter read ends, or `timeout_s` (at once when none runs)."""
