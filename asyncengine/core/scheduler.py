@@ -294,9 +294,18 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: _Budget) -> None:
         active = self.running_loras()
         num_skipped = 0  # requests whose adapter has no slot (or is loading) wait in place
+        # an older request waits for an adapter slot: newer adapter requests wait behind it
+        # (admitted, they would keep their adapters in the slots for good); base-model ones
+        # take no slot and go on
+        is_slot_wanted = False
         while len(self.waiting) > num_skipped and budget.has_room:
             req = self.waiting[num_skipped]
             if not self._lora_fits(req, active):
+                assert self.loras is not None
+                is_slot_wanted |= len(active - {0}) >= self.loras.max_loras
+                num_skipped += 1
+                continue
+            if is_slot_wanted and req.lora_int_id:
                 num_skipped += 1
                 continue
             status = self._can_admit(req)

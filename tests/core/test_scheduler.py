@@ -354,6 +354,44 @@ def test_samples_a_parent_will_fork_count_against_max_num_seqs_for_later_admissi
     assert_nothing_left(scheduler)
 
 
+class _OneSlot:
+    """LoRA admission with one adapter slot, every adapter in host memory."""
+
+    max_loras = 1
+
+    def is_ready(self, lora_int_id: int) -> bool:
+        return True
+
+    def take_unreadable(self) -> set[int]:
+        return set()
+
+
+def test_a_request_waiting_for_the_adapter_slot_is_not_starved_by_newer_ones():
+    """One slot, held by adapter 2; a request for adapter 1 waits for it while requests for
+    adapter 2 keep arriving. Newer adapter requests now wait behind it, so adapter 2 drains
+    and adapter 1 gets the slot; before, each newcomer kept adapter 2 in it, for good."""
+    scheduler = create_scheduler()
+    scheduler.loras = _OneSlot()
+
+    def lora_request(request_id: str, lora_int_id: int) -> Request:
+        req = make_request(request_id, prompt_len=4, max_tokens=3)
+        req.lora_int_id = lora_int_id
+        return req
+
+    add_requests(scheduler, [lora_request("first", 2), lora_request("waiting", 1)])
+    started_at = None
+    for step in range(30):
+        add_requests(scheduler, [lora_request(f"newer-{step}", 2)])
+        out = run_step(scheduler)
+        assert len({req.lora_int_id for req in out.scheduled}) <= 1
+        if "waiting" in ids(out.scheduled):
+            started_at = step
+            break
+    assert started_at is not None and started_at <= 5, started_at
+    run_until_done(scheduler)
+    assert_nothing_left(scheduler)
+
+
 def test_a_request_that_fills_the_whole_cache_finishes_by_length():
     # max_model_len above the cache (16 blocks of 4 = 64 tokens): the request can never grow
     # past the cache, so it ends by length there instead of preempting itself forever.
