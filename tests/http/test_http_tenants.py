@@ -80,3 +80,18 @@ def test_auth_metrics_takes_the_control_token_and_leaves_probes_open(
     assert status_of(url + "/metrics", "ops") == 200
     for path in ("/health", "/version"):
         assert status_of(url + path) == 200
+
+
+@pytest.mark.parametrize(
+    "path", ["/get_load", "/get_loads", "/v1/loads", "/loads", "/get_server_info",
+             "/server_info", "/get_model_info", "/model_info"],
+)  # fmt: skip
+def test_the_routers_routes_take_the_control_token_as_controls_rpcs_do(
+    tenants: ServerThread, path: str
+) -> None:
+    """Every tenant's load, the server's settings and the model's path: as Control's
+    GetLoads / GetServerInfo / GetModelInfo over gRPC. They answered anyone, token or not."""
+    url = tenants.base_url + path
+    assert status_of(url) == 401
+    assert status_of(url, "alpha") == 401
+    assert status_of(url, "ops") == 200

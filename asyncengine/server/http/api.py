@@ -145,17 +145,22 @@ def _add_lora_routes(app: FastAPI, ctx: HttpContext) -> None:
         return PlainTextResponse(f"Success: LoRA adapter {body.lora_name!r} removed successfully.")
 
 
-def _add_router_routes(app: FastAPI, state: ServerState) -> None:
+def _add_router_routes(app: FastAPI, ctx: HttpContext) -> None:
     """What HTTP-mode routers (SMG, sglang-router) probe: the gRPC worker service's model,
-    server and load facts as JSON, under each name they ask for."""
+    server and load facts as JSON, under each name they ask for. Behind the Control token,
+    as Control's GetModelInfo / GetServerInfo / GetLoads are: every tenant's load is here."""
+    state = ctx.state
 
-    async def model_info() -> dict[str, Any]:
+    async def model_info(request: Request) -> dict[str, Any]:
+        ctx.authorize_control(request)
         return info.as_json(info.model_info(state))
 
-    async def server_info() -> dict[str, Any]:
+    async def server_info(request: Request) -> dict[str, Any]:
+        ctx.authorize_control(request)
         return info.as_json(info.server_info(state))
 
-    async def loads() -> dict[str, Any]:
+    async def loads(request: Request) -> dict[str, Any]:
+        ctx.authorize_control(request)
         return info.as_json(info.loads(state))
 
     for path in ("/get_model_info", "/model_info"):
@@ -185,7 +190,7 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
     async def version() -> dict[str, str]:
         return {"version": asyncengine.__version__}
 
-    _add_router_routes(app, state)
+    _add_router_routes(app, ctx)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
