@@ -135,7 +135,7 @@ class SamplingParams:
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 (or vLLM's -1, taken as 0): every token
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float = 1.0
@@ -170,6 +170,8 @@ class SamplingParams:
             self.logit_bias = dict(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.top_k == -1:  # vLLM's "no top-k"
+            self.top_k = 0
         self._validate()
 
     def _validate(self) -> None:
@@ -196,7 +198,12 @@ class SamplingParams:
             )
         _check(self.temperature >= 0.0, "temperature", "must be >= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]", self.top_p)
-        _check(0 <= self.top_k <= MAX_INT, "top_k", f"{_IN_INT64_FROM_0} (0 disables)", self.top_k)
+        _check(
+            0 <= self.top_k <= MAX_INT,
+            "top_k",
+            f"{_IN_INT64_FROM_0} (0 or -1 disables)",
+            self.top_k,
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]", self.min_p)
         if self.seed is not None:
             _check(0 <= self.seed < MAX_SEED, "seed", "must be in [0, 2**63)", self.seed)

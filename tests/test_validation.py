@@ -25,7 +25,7 @@ from asyncengine.sampling_params import (
         ("temperature", -0.5),
         ("top_p", 0.0),
         ("top_p", 1.5),
-        ("top_k", -1),
+        ("top_k", -2),
         ("top_k", 2**64),  # past what the engine process's messages carry: was an OverflowError
         ("max_tokens", 2**63),
         ("min_tokens", 10**30),
@@ -81,6 +81,7 @@ def test_sampling_params_defaults_and_normalisation() -> None:
     assert params.stop == ["###"]
     assert params.stop_token_ids == []
     assert params.is_greedy and not params.has_penalties
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "no top-k" (was refused)
 
 
 @pytest.mark.parametrize(
