@@ -26,6 +26,7 @@ from asyncengine_client import (
     Delta,
     Finished,
     FinishReason,
+    GenerateOptions,
     InvalidRequestError,
     OverloadedError,
     RetryPolicy,
@@ -263,6 +264,21 @@ def test_unknown_option_is_a_type_error_at_the_call(fake: FakeServer) -> None:
         collect_async(run)
 
 
+@pytest.mark.parametrize(
+    "option, value",
+    [("max_new_tokens", -1), ("seed", -1), ("top_k", -2), ("n", 2**32), ("priority", 2**31),
+     ("stop_token_ids", [3, -1]), ("logprobs", -1)],
+)  # fmt: skip
+def test_an_option_out_of_its_range_is_named_before_a_call(
+    fake: FakeServer, option: str, value: object
+) -> None:
+    """Was protobuf's bare `ValueError: Value out of range: -1`, naming no option."""
+    with Client(fake.address) as client, pytest.raises(InvalidRequestError) as caught:
+        client.generate(["hi"], **{option: value})
+    assert caught.value.field == option and option in str(caught.value)
+    assert GenerateOptions(top_k=-1).top_k == 0  # vLLM's "no top-k", as the server takes it
+
+
 def test_tokenize_info_abort_health_and_load(fake: FakeServer) -> None:
     async def run() -> tuple:
         async with AsyncClient(fake.address) as client:
@@ -479,6 +495,20 @@ def test_cli_streams_and_checks_health(fake: FakeServer) -> None:
     fake.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     out = run_cli("health", "--target", fake.address)
     assert (out.returncode, out.stdout) == (1, "NOT_SERVING\n")
+
+
+def test_cli_interrupted_exits_130_without_a_traceback(
+    fake: FakeServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C during `generate --stream` printed a KeyboardInterrupt traceback."""
+    from asyncengine_client import cli
+
+    def interrupted(client: Client, ns: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_generate", interrupted)
+    assert cli.main(["generate", "hi", "--stream", "--target", fake.address]) == 130
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_cli_heads_each_of_several_completions_streamed_or_not(fake: FakeServer) -> None:

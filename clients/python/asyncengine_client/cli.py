@@ -122,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except AsyncEngineError as exc:
         print(f"asyncengine-client: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled with the channel
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

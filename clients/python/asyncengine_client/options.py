@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf import wrappers_pb2
 
-from asyncengine_client.errors import AsyncEngineError, error_from_rpc
+from asyncengine_client.errors import AsyncEngineError, InvalidRequestError, error_from_rpc
 from asyncengine_client.v1 import generation_pb2 as pb
 
 DEFAULT_TARGET = "localhost:50051"
@@ -60,6 +60,19 @@ class GenerateOptions:
     # the LoRA adapter to generate with (its name on the server); "" is the base model
     lora_name: str = ""
 
+    def __post_init__(self) -> None:
+        """Each integer within its protobuf field's range, or InvalidRequestError naming the
+        option (protobuf's own ValueError names none); top_k -1 is vLLM's "no top-k" (0)."""
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        for name, bits in _UNSIGNED_BITS.items():
+            value = getattr(self, name)
+            values = value if name == "stop_token_ids" else () if value is None else (value,)
+            if not all(isinstance(v, int) and 0 <= v < 1 << bits for v in values):
+                raise _out_of_range(name, f"[0, 2**{bits})", value)
+        if not -(1 << 31) <= self.priority < 1 << 31:
+            raise _out_of_range("priority", "[-2**31, 2**31)", self.priority)
+
     def sampling(self) -> pb.SamplingOptions:
         return pb.SamplingOptions(
             temperature=self.temperature,
@@ -91,6 +104,21 @@ class GenerateOptions:
             echo_prompt=self.echo_prompt,
             skip_special_tokens=self.skip_special_tokens,
         )
+
+
+# the integer options and the width of their unsigned protobuf fields
+_UNSIGNED_BITS = {
+    "max_new_tokens": 32, "min_new_tokens": 32, "top_k": 32, "seed": 64, "n": 32,
+    "time_limit_ms": 32, "logprobs": 32, "stop_token_ids": 32,
+}  # fmt: skip
+
+
+def _out_of_range(name: str, bounds: str, value: object) -> AsyncEngineError:
+    return InvalidRequestError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{name} must be in {bounds}, got {value!r}"[:200],
+        field=name,
+    )
 
 
 def stream_request(
