@@ -346,3 +346,38 @@ def test_the_engine_serves_a_second_event_loop_and_ends_quietly(model_dir) -> No
     assert first[-1].outputs[0].token_ids == second[-1].outputs[0].token_ids
     assert not [e for e in logs if e["log_level"] in ("error", "critical")], logs
     assert not engine.errored
+
+
+def test_a_second_running_loop_is_refused_and_the_first_goes_on(model_dir) -> None:
+    """An engine serves one event loop at a time. A call from another thread's loop while
+    the first runs is a clear error; before, it took the engine over: the first loop's
+    requests were aborted and the second's never got an output."""
+    import threading
+
+    engine = make_engine(model_dir("llama"))
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        try:
+            other = collect(engine, "hi", SamplingParams(max_tokens=2), "other")
+            run(lambda: asyncio.wait_for(other, 10))
+        except BaseException as exc:
+            errors.append(exc)
+
+    async def main() -> list[Any]:
+        outputs = []
+        async for out in engine.generate("hello", long, request_id="first"):
+            if not outputs:
+                thread = threading.Thread(target=other_thread)
+                thread.start()
+                await asyncio.to_thread(thread.join)
+            outputs.append(out)
+        return outputs
+
+    outputs = run(main)
+    assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 40
+    assert outputs[-1].outputs[0].finish_reason == "length"
+    (error,) = errors
+    assert isinstance(error, RuntimeError) and "another event loop" in str(error), error
+    run(lambda: collect(engine, "hi", SamplingParams(max_tokens=2), "after"))  # free again

@@ -448,6 +448,14 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         if self._loop is loop:
             return
+        if self._loop is not None and self._loop.is_running():
+            # the core hands outputs to one loop: taking it over would strand that loop's
+            # requests (aborted) and this one's (never answered)
+            raise RuntimeError(
+                "the engine serves another event loop, still running (one AsyncLLMEngine "
+                "per event loop; from other threads, submit to that loop with "
+                "asyncio.run_coroutine_threadsafe)"
+            )
         previous, self._loop = self._loop, loop
         self.core.start(self)
         if previous is not None:  # an earlier event loop ended under the engine
