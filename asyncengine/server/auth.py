@@ -1,7 +1,9 @@
 """Bearer-token auth: `authorization: Bearer <token>` metadata, checked before any handler runs.
 
-Tenant tokens (--auth-token) open Generation, Control tokens (--control-auth-token) open Control;
-neither opens the other, but for Control.Abort, which a tenant may call on its own requests.
+Tenant tokens (--auth-token) open Generation, Control tokens (--control-auth-token) open Control
+and the calls of SMG's worker service that show every tenant's work (loads, server facts, KV
+events); neither opens the other, but for Control.Abort, which a tenant may call on its own
+requests.
 `Tenants` names the tenant of a call, which salts the prefix cache and scopes request ids.
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health
+from smg_grpc_proto import vllm_engine_pb2
 
 from asyncengine.logging import get_logger
 from asyncengine.server.errors import PermissionDeniedError, UnauthenticatedError, abort_rpc
@@ -23,6 +26,12 @@ from asyncengine.v1 import control_pb2
 logger = get_logger(__name__)
 
 _CONTROL_PREFIX = f"/{control_pb2.DESCRIPTOR.services_by_name['Control'].full_name}/"
+_WORKER_PREFIX = f"/{vllm_engine_pb2.DESCRIPTOR.services_by_name['VllmEngine'].full_name}/"
+# SMG's worker service answers these for every tenant's work at once (KV events carry the
+# prompts' token ids): they take Control's tokens, as Control's own GetServerInfo does
+_OPERATOR_METHODS = frozenset(
+    _WORKER_PREFIX + name for name in ("GetLoads", "GetServerInfo", "SubscribeKvEvents")
+)
 # a tenant aborts its own requests by id (ServerState.abort_ids): no other tenant's are reached
 _ABORT_METHOD = _CONTROL_PREFIX + "Abort"
 # probes (kubelet, load balancers) cannot send tokens, and health reveals nothing
@@ -62,7 +71,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if method.startswith(_OPEN_PREFIXES) or handler is None:
             return handler
-        is_control = method.startswith(_CONTROL_PREFIX)
+        is_control = method.startswith(_CONTROL_PREFIX) or method in _OPERATOR_METHODS
         if method == _ABORT_METHOD:
             accepted = self._tokens + self._control_tokens
         elif is_control and self._is_control_disabled:

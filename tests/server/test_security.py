@@ -227,6 +227,47 @@ def test_bearer_tokens_guard_every_service_but_health(serving: Any) -> None:
     asyncio.run(main())
 
 
+def test_the_worker_services_loads_and_kv_events_take_controls_token(serving: Any) -> None:
+    """SMG's worker service: its loads, server facts and KV events show every tenant's work
+    (KV events carry prompts' token ids), so with tenant tokens they take the Control token,
+    as Control's own calls do. A tenant's token read another tenant's prompts from them."""
+    from smg_grpc_proto import vllm_engine_pb2 as vpb
+    from smg_grpc_proto import vllm_engine_pb2_grpc
+    from smg_grpc_proto.generated import common_pb2
+
+    flags = ["--auth-token", TOKENS[0], "--auth-token", TOKENS[1]]
+    flags += ["--control-auth-token", CONTROL_TOKEN, "--enable-kv-events"]
+
+    async def main() -> None:
+        async with serving(*flags) as target, channel(target) as chan:
+            worker = vllm_engine_pb2_grpc.VllmEngineStub(chan)
+            calls = {
+                "GetLoads": lambda md: worker.GetLoads(vpb.GetLoadsRequest(), metadata=md),
+                "GetServerInfo": lambda md: worker.GetServerInfo(
+                    vpb.GetServerInfoRequest(), metadata=md
+                ),
+                "SubscribeKvEvents": lambda md: _first(
+                    worker.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), metadata=md)
+                ),
+            }
+            for name, call in calls.items():
+                error = await status_of(call(bearer(TOKENS[0])))
+                assert error.code() == UNAUTHENTICATED, name
+                await call(bearer(CONTROL_TOKEN))  # answers
+            # a tenant still generates and reads the model through it
+            info = await worker.GetModelInfo(vpb.GetModelInfoRequest(), metadata=bearer(TOKENS[0]))
+            assert info.max_context_length > 0
+
+    asyncio.run(main())
+
+
+async def _first(stream: Any) -> Any:
+    async for item in stream:
+        stream.cancel()
+        return item
+    return None
+
+
 def test_admission_limit_gives_resource_exhausted_with_retry_info(serving: Any) -> None:
     """max-num-seqs 2 + max-queued-requests 1: a fourth request is refused, not queued."""
     flags = ["--max-num-seqs", "2", "--max-queued-requests", "1", "--retry-after", "0.5"]
