@@ -28,7 +28,7 @@ logger = get_logger(__name__)
 _CONTROL_PREFIX = f"/{control_pb2.DESCRIPTOR.services_by_name['Control'].full_name}/"
 _WORKER_PREFIX = f"/{vllm_engine_pb2.DESCRIPTOR.services_by_name['VllmEngine'].full_name}/"
 # SMG's worker service answers these for every tenant's work at once (KV events carry the
-# prompts' token ids): they take Control's tokens, as Control's own GetServerInfo does
+# prompts' token ids): with tenant tokens they take Control's, as Control's GetServerInfo does
 _OPERATOR_METHODS = frozenset(
     _WORKER_PREFIX + name for name in ("GetLoads", "GetServerInfo", "SubscribeKvEvents")
 )
@@ -71,7 +71,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if method.startswith(_OPEN_PREFIXES) or handler is None:
             return handler
-        is_control = method.startswith(_CONTROL_PREFIX) or method in _OPERATOR_METHODS
+        # without tenant tokens there is one namespace: SMG reads loads and KV events as is
+        is_control = method.startswith(_CONTROL_PREFIX) or (
+            method in _OPERATOR_METHODS and bool(self._tokens)
+        )
         if method == _ABORT_METHOD:
             accepted = self._tokens + self._control_tokens
         elif is_control and self._is_control_disabled:
