@@ -187,23 +187,21 @@ class SpeculativeConfig:
     def _validate(self) -> None:
         k = self.num_speculative_tokens
         _require(
-            isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+            _is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
             "speculative_config.num_speculative_tokens",
             f"an int in [1, {MAX_SPECULATIVE_TOKENS}]",
             k,
         )
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        _require(_is_int(low) and low >= 1, "speculative_config.prompt_lookup_min", ">= 1", low)
         _require(
-            isinstance(low, int) and low >= 1, "speculative_config.prompt_lookup_min", ">= 1", low
-        )
-        _require(
-            isinstance(high, int) and high >= low,
+            _is_int(high) and high >= low,
             "speculative_config.prompt_lookup_max",
             f">= prompt_lookup_min ({low})",
             high,
         )
         _require(
-            isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1,
+            _is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
             "speculative_config.disable_by_batch_size",
             ">= 1",
             self.disable_by_batch_size,
@@ -674,6 +672,11 @@ def cpu_bf16_flag(cpuinfo: str = "/proc/cpuinfo") -> str | None:
 
 def _one_of(name: str, value: object, allowed: tuple[str, ...]) -> None:
     _require(value in allowed, name, "one of " + ", ".join(repr(a) for a in allowed), value)
+
+
+def _is_int(value: object) -> bool:
+    """An int and not a bool (JSON's `true` decodes to True, which is an int in Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require(ok: bool, name: str, rule: str, value: object) -> None:

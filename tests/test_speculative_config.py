@@ -56,6 +56,10 @@ def test_a_model_means_a_draft_model(model_dir) -> None:
          "speculative_config.num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 99},
          "speculative_config.num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": True},  # JSON's true: was taken as 1
+         "speculative_config.num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": True},
+         "speculative_config.prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
          "speculative_config.prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
