@@ -264,6 +264,15 @@ def test_one_slot_and_one_host_copy_run_every_adapter_in_turn(
     assert samples["asyncengine_lora_disk_reads_total"] == stats.num_lora_disk_reads
 
 
+def _first_adapter_evicted(path: Path, loras: list[LoRARequest]) -> tuple[LLM, LoRARequest]:
+    """An LLM with one adapter slot and one host copy, the first two adapters registered:
+    the first's host copy evicted by the second's, so its next request reads it again."""
+    llm = make_llm(path, max_loras=1, max_cpu_loras=1)
+    llm.add_lora(loras[0])
+    llm.add_lora(loras[1])
+    return llm, loras[0]
+
+
 def test_an_adapter_that_cannot_be_read_again_fails_its_requests_only(
     model_dir: ModelDirFactory,
     adapters: Callable[[Path], list[LoRARequest]],
@@ -273,11 +282,8 @@ def test_an_adapter_that_cannot_be_read_again_fails_its_requests_only(
     waiting for it end with an error, once each, and others run on. Before, they waited for
     good while the engine read it again on every step (lora_load_failed in a hot loop)."""
     path = model_dir("llama")
-    llm = make_llm(path, max_loras=1, max_cpu_loras=1)
+    llm, first = _first_adapter_evicted(path, adapters(path))
     engine = llm.llm_engine
-    first, second = adapters(path)[:2]
-    llm.add_lora(first)
-    llm.add_lora(second)  # evicts first's host copy
     assert engine.loras is not None
     num_reads = 0
 
@@ -317,11 +323,8 @@ def test_a_slow_adapter_read_holds_only_its_own_request(
     # adapter 1's host copy is evicted (one host slot), so its request must read it again;
     # that read blocks until released, and the base model's request steps on meanwhile
     path = model_dir("llama")
-    llm = make_llm(path, max_loras=1, max_cpu_loras=1)
+    llm, first = _first_adapter_evicted(path, adapters(path))
     engine = llm.llm_engine
-    first, second = adapters(path)[:2]
-    llm.add_lora(first)
-    llm.add_lora(second)  # evicts first's host copy
     assert engine.loras is not None
     release, reading = threading.Event(), threading.Event()
     read = engine.loras.read
