@@ -62,11 +62,19 @@ class KVCacheSizingError(RuntimeError):
     says which setting to change (the CLI prints it as one line)."""
 
 
+_MAX_NAME_SHOWN = 128  # characters of a caller's adapter name an error repeats
+
+
 class LoRANotFoundError(LookupError):
     """A request or a call names an adapter (by name or id) that is not registered."""
 
     def __init__(self, name_or_id: str | int) -> None:
-        super().__init__(f"LoRA adapter {name_or_id!r} is not loaded")
+        shown = name_or_id
+        if isinstance(shown, str) and len(shown) > _MAX_NAME_SHOWN:
+            # a caller's name is echoed in the error's status: a long one outgrew the
+            # client's metadata limit (16 KiB), which then saw no status at all
+            shown = shown[:_MAX_NAME_SHOWN] + "..."
+        super().__init__(f"LoRA adapter {shown!r} is not loaded")
         self.name_or_id = name_or_id
 
 

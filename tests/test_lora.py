@@ -507,3 +507,10 @@ def test_tensor_parallel_size_2_with_forced_swaps_matches_peft(
         assert stats.num_preemptions_swap > 0 and stats.num_lora_evictions > 0
     finally:
         llm.shutdown()
+
+
+def test_an_unknown_adapters_long_name_is_not_echoed_whole() -> None:
+    """The error's text travels in the call's status: a 32 KiB name outgrew the client's
+    16 KiB metadata limit, and the client saw no status (the fuzz test's find)."""
+    error = LoRANotFoundError("a" * 32768)
+    assert len(str(error)) < 200 and error.name_or_id == "a" * 32768
