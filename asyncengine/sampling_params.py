@@ -275,10 +275,15 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
     if not ok:
-        shown = repr(value)  # what the caller sent, never more than a line of it
-        if len(shown) > _MAX_SHOWN:
-            shown = shown[: _MAX_SHOWN - 3] + "..."
-        raise InvalidRequestError(name, f"{rule}, got {shown}")
+        raise InvalidRequestError(name, f"{rule}, got {shown(value)}")
+
+
+def shown(value: object) -> str:
+    """What the caller sent, as an error repeats it: never more than a line of it."""
+    if isinstance(value, int) and value.bit_length() > 256:  # repr refuses past 4300 digits
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
 def _check_count(values: object, name: str, limit: int) -> None:

@@ -29,6 +29,8 @@ from asyncengine.sampling_params import (
         ("top_k", 2**64),  # past what the engine process's messages carry: was an OverflowError
         ("max_tokens", 2**63),
         ("min_tokens", 10**30),
+        # past what repr shows: was a bare ValueError naming no field
+        pytest.param("top_k", 10**5000, id="top_k-5000-digits"),
         ("min_p", 1.5),
         ("seed", -1),
         ("repetition_penalty", 0.0),

@@ -19,7 +19,7 @@ from asyncengine.engine.structured_output import (
 )
 from asyncengine.errors import ContextLengthError, InvalidRequestError
 from asyncengine.lora.request import LoRARequest
-from asyncengine.sampling_params import MAX_INT, SamplingParams, StructuredOutputsParams
+from asyncengine.sampling_params import MAX_INT, SamplingParams, StructuredOutputsParams, shown
 
 MAX_REQUEST_ID_LEN = 256
 MAX_CACHE_SALT_LEN = 256
@@ -78,7 +78,9 @@ class RequestValidator:
         """Everything that can be checked before tokenizing; cheap whatever the input size."""
         check_request_id(request_id)
         if not -MAX_INT - 1 <= priority <= MAX_INT:
-            raise InvalidRequestError("priority", f"must be in [-2**63, 2**63), got {priority}")
+            raise InvalidRequestError(
+                "priority", f"must be in [-2**63, 2**63), got {shown(priority)}"
+            )
         if cache_salt is not None and len(cache_salt) > MAX_CACHE_SALT_LEN:
             raise InvalidRequestError(
                 "cache_salt", f"must be at most {MAX_CACHE_SALT_LEN} characters"
