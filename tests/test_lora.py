@@ -514,3 +514,62 @@ def test_an_unknown_adapters_long_name_is_not_echoed_whole() -> None:
     16 KiB metadata limit, and the client saw no status (the fuzz test's find)."""
     error = LoRANotFoundError("a" * 32768)
     assert len(str(error)) < 200 and error.name_or_id == "a" * 32768
+
+
+class _GatedEngine:
+    """What LoRAAdapters asks of the engine, with each call held until the test lets it go."""
+
+    def __init__(self, adapter: LoRARequest) -> None:
+        self.loras = {adapter.lora_name: adapter}
+        self.removing = asyncio.Event()
+        self.may_remove = asyncio.Event()
+        self.calls: list[str] = []
+
+    def lora_requests(self) -> dict[str, LoRARequest]:
+        return dict(self.loras)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        self.calls.append("remove")
+        self.removing.set()
+        await self.may_remove.wait()
+        self.loras = {n: a for n, a in self.loras.items() if a.lora_int_id != lora_int_id}
+        return True
+
+
+def test_an_unload_and_a_request_naming_its_adapter_are_ordered() -> None:
+    """A request naming an adapter holds it until the engine has the request; an unload waits
+    for that (the engine then refuses it: in use), and a request that meets an unload in flight
+    waits for it, then is refused NOT_FOUND. Before, the request could reach the engine after
+    the adapter left it: a server error ("the request could not be queued")."""
+    from asyncengine.server.lora import LoRAAdapters
+
+    adapter = LoRARequest("tuned", 1, "/nowhere")
+
+    async def main() -> None:
+        engine = _GatedEngine(adapter)
+        adapters = LoRAAdapters(engine, frozenset({"base"}), allow_runtime_updates=True)  # type: ignore[arg-type]
+        handed = asyncio.Event()
+        # a request mid-hand-over: the unload waits for it to reach the engine
+        async with adapters.handing(adapter):
+            unloading = asyncio.create_task(adapters.unload("tuned"))
+            await asyncio.sleep(0.05)
+            assert engine.calls == []
+            engine.calls.append("queued")
+            handed.set()
+        await engine.removing.wait()
+        assert engine.calls == ["queued", "remove"]
+        # a request that meets the unload in flight waits for it, then finds no adapter
+        waiting = asyncio.create_task(_hand_over(adapters, adapter))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        engine.may_remove.set()
+        await unloading
+        with pytest.raises(LoRANotFoundError):
+            await waiting
+
+    asyncio.run(main())
+
+
+async def _hand_over(adapters: Any, adapter: LoRARequest) -> None:
+    async with adapters.handing(adapter):
+        raise AssertionError("handed over an adapter being unloaded")

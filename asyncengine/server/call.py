@@ -14,7 +14,6 @@ from asyncengine.errors import (
     DuplicateRequestError,
     EngineOverloadedError,
     InvalidRequestError,
-    LoRANotFoundError,
 )
 from asyncengine.logging import get_logger
 from asyncengine.lora.request import LoRARequest
@@ -148,34 +147,31 @@ class Call:
         num_entering = len(self.flights)
         try:
             for index, (flight, prompt) in enumerate(zip(self.flights, prompts)):
-                # the slot passes to the engine's count here: add_request takes the request
-                # into it before its first await, so no other call sees the slot counted
-                # twice (refused with "289 admitted; the limit is 288") or not at all
-                num_entering -= 1
-                state.entered()
-                # unloaded since the caller named it: the engine would load it again
-                if (
-                    lora_request is not None
-                    and state.adapters.get(lora_request.lora_name) != lora_request
-                ):
-                    raise LoRANotFoundError(lora_request.lora_name)
-                try:
-                    stream = await state.engine.add_request(
-                        flight.engine_id,
-                        prompt,
-                        params,
-                        priority,
-                        cache_salt=cache_salt,
-                        tenant=self.tenant,
-                        strict_max_tokens=True,
-                        lora_request=lora_request,
-                    )
-                except DuplicateRequestError:
-                    # the engine's id is in use (by a caller of the engine itself): named by the
-                    # caller's id, never the engine's, which carries the tenant's tag
-                    raise DuplicateRequestError(flight.request_id) from None
-                except InvalidRequestError as exc:
-                    raise invalid(exc, index) from None
+                # its adapter held until the engine has the request: unloaded since the caller
+                # named it, the request is refused (the engine would load it again)
+                async with state.adapters.handing(lora_request):
+                    # the slot passes to the engine's count here: add_request takes the
+                    # request into it before its first await, so no other call sees the slot
+                    # counted twice (refused with "289 admitted; the limit is 288") or not at all
+                    num_entering -= 1
+                    state.entered()
+                    try:
+                        stream = await state.engine.add_request(
+                            flight.engine_id,
+                            prompt,
+                            params,
+                            priority,
+                            cache_salt=cache_salt,
+                            tenant=self.tenant,
+                            strict_max_tokens=True,
+                            lora_request=lora_request,
+                        )
+                    except DuplicateRequestError:
+                        # the engine's id is in use (by a caller of the engine itself): named by
+                        # the caller's id, never the engine's, which carries the tenant's tag
+                        raise DuplicateRequestError(flight.request_id) from None
+                    except InvalidRequestError as exc:
+                        raise invalid(exc, index) from None
                 self.streams.append(stream)
                 self._tallies.append(_Tally())
         finally:

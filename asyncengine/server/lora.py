@@ -5,7 +5,10 @@ run time. Both front ends load, unload, list and resolve adapters here only."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -107,6 +110,11 @@ class LoRAAdapters:
         self.allow_runtime_updates = allow_runtime_updates
         self._next_id = 1
         self._lock = asyncio.Lock()
+        # requests naming each adapter on their way into the engine, and the adapters being
+        # unloaded: an unload waits for the first, a request for the second (`handing`)
+        self._num_handing: Counter[int] = Counter()
+        self._handed: dict[int, asyncio.Event] = {}  # set when an adapter's hand-overs end
+        self._unloading: dict[int, asyncio.Event] = {}  # set when its unload ends
 
     def get(self, name: str) -> LoRARequest | None:
         """The adapter served as `name`; None when there is none (a base model name included)."""
@@ -153,9 +161,43 @@ class LoRAAdapters:
             adapter = self.get(name)
             if adapter is None:
                 raise LoRANotFoundError(name)
-            await self._engine.remove_lora(adapter.lora_int_id)
+            lora_int_id = adapter.lora_int_id
+            done = self._unloading[lora_int_id] = asyncio.Event()
+            try:
+                while self._num_handing[lora_int_id]:  # on their way in: the engine counts them
+                    await self._handed.setdefault(lora_int_id, asyncio.Event()).wait()
+                await self._engine.remove_lora(lora_int_id)
+            finally:
+                del self._unloading[lora_int_id]
+                done.set()
         logger.info("lora_unloaded", lora_name=name, lora_id=adapter.lora_int_id)
         return adapter
+
+    @contextlib.asynccontextmanager
+    async def handing(self, adapter: LoRARequest | None) -> AsyncIterator[None]:
+        """Hold `adapter` while a request naming it is handed to the engine (None: the base
+        model, nothing to hold). An unload waits until the engine has the request, which then
+        makes the engine refuse it (in use); a request that meets an unload in flight waits
+        for it: LoRANotFoundError if the adapter went, as for one unloaded before the request
+        came. Without this the request could reach the engine after its adapter left."""
+        if adapter is None:
+            yield
+            return
+        lora_int_id = adapter.lora_int_id
+        while (unloading := self._unloading.get(lora_int_id)) is not None:
+            await unloading.wait()
+        if self.get(adapter.lora_name) != adapter:  # unloaded since the caller named it
+            raise LoRANotFoundError(adapter.lora_name)
+        self._num_handing[lora_int_id] += 1
+        try:
+            yield
+        finally:
+            self._num_handing[lora_int_id] -= 1
+            if not self._num_handing[lora_int_id]:
+                del self._num_handing[lora_int_id]
+                handed = self._handed.pop(lora_int_id, None)
+                if handed is not None:
+                    handed.set()
 
     async def _load(self, name: str, path: str) -> LoRARequest:
         async with self._lock:
