@@ -93,8 +93,8 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None:
                 is_text = isinstance(value, str) and value != ""
-                shown = value if isinstance(value, str) else type(value).__name__
-                _check(is_text, _field(name), "must be a non-empty string", shown)
+                sent = value if isinstance(value, str) else type(value).__name__
+                _check(is_text, _field(name), "must be a non-empty string", sent)
                 _check_len(value, _field(name))
         if self.choice is not None:
             _check_count(self.choice, _field("choice"), MAX_CHOICES)
