@@ -3,9 +3,12 @@ paged decode and prefill attention that asyncengine/worker chose between.
 
 gemm: every linear layer of a model (default the 60M Llama of issue 15: hidden 768, 8 layers,
       12 heads, 3 KV heads, MLP 2304, vocab 2048) at batch sizes M, float32 and bfloat16,
-      through `F.linear` (what transformers runs) and through the oneDNN-prepacked weights of
-      asyncengine/worker/cpu_linear.py. "model" is the sum of one layer of each kind times the
-      layer count, plus the LM head: the GEMM floor of a forward at M tokens.
+      through `F.linear` (what transformers runs), through the oneDNN-prepacked weights of
+      asyncengine/worker/cpu_linear.py, and in bfloat16 through the C++ bf16_linear op (CPUs
+      with AVX512-BF16). "model" is the sum of one layer of each kind times the layer count,
+      plus the LM head, each layer's weights hot in the caches from its last call; "from
+      memory" runs a forward's linears in order over weights of their own for every layer, as
+      a model much larger than the caches reads them on every step (GF/s of wall time).
 attention: one decode step of `--num-seqs` sequences (lengths uniform in [9, 288], shuffled
       blocks) through each candidate: the padded gather + masked SDPA (the plain-torch path),
       SDPA per sequence (no padding, no mask), FlexAttention compiled for the CPU with a paged
@@ -79,43 +82,75 @@ def bench_gemm(args: argparse.Namespace) -> list[dict[str, Any]]:
             name: torch.randn(n, k, dtype=dtype) * 0.02
             for name, (k, n, _) in linear_shapes(args).items()
         }
-        packed = {
-            name: torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
-            for name, w in weights.items()
+        products = linear_products(weights, dtype)
+        forwards = {  # every layer with weights of its own: a forward's linears, in order
+            kind: [
+                (name, product(weights[name].clone()))
+                for name, (_, _, count) in linear_shapes(args).items()
+                for _ in range(count)
+            ]
+            for kind, product in products.items()
         }
         for m in args.batch_sizes:
-            total = {"plain": 0.0, "packed": 0.0}
+            total = dict.fromkeys(products, 0.0)
             flops = 0
             for name, (k, n, count) in linear_shapes(args).items():
                 x = torch.randn(m, k, dtype=dtype)
-                w, pw = weights[name], packed[name]
+                w = weights[name]
                 inner = max(1, int(2e8 // (2 * m * k * n)))
-                plain, _ = best_times(lambda: F.linear(x, w), args.repeats, inner)  # noqa: B023
-                pack, _ = best_times(
-                    lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""),  # noqa: B023
+                row: dict[str, Any] = {"dtype": dtype_name, "m": m, "layer": name}
+                for kind, product in products.items():
+                    run = product(w)
+                    seconds, _ = best_times(lambda: run(x), args.repeats, inner)  # noqa: B023
+                    total[kind] += seconds * count
+                    row[f"{kind}_gflops"] = 2 * m * k * n / seconds / 1e9
+                flops += 2 * m * k * n * count
+                rows.append(row)
+            row = {"dtype": dtype_name, "m": m, "layer": "model"}
+            for kind, seconds in total.items():
+                row[f"{kind}_gflops"] = flops / seconds / 1e9
+            rows.append(row)
+            inputs = {
+                name: torch.randn(m, k, dtype=dtype)
+                for name, (k, _, _) in linear_shapes(args).items()
+            }
+            row = {"dtype": dtype_name, "m": m, "layer": "from memory"}
+            for kind, layers in forwards.items():
+                inner = max(1, int(2e9 // (flops + 1)))
+                _, seconds = best_times(  # wall time: the memory stream is the point here
+                    lambda: [run(inputs[name]) for name, run in layers],  # noqa: B023
                     args.repeats,
                     inner,
                 )
-                total["plain"] += plain * count
-                total["packed"] += pack * count
-                flops += 2 * m * k * n * count
-                rows.append(
-                    {
-                        "dtype": dtype_name, "m": m, "layer": name,
-                        "plain_gflops": 2 * m * k * n / plain / 1e9,
-                        "packed_gflops": 2 * m * k * n / pack / 1e9,
-                    }
-                )  # fmt: skip
-            rows.append(
-                {
-                    "dtype": dtype_name, "m": m, "layer": "model",
-                    "plain_gflops": flops / total["plain"] / 1e9,
-                    "packed_gflops": flops / total["packed"] / 1e9,
-                    "packed_ms_per_forward": total["packed"] * 1e3,
-                }
-            )  # fmt: skip
+                row[f"{kind}_gflops"] = flops / seconds / 1e9
+            rows.append(row)
             print(f"  gemm {dtype_name} M={m} done", file=sys.stderr, flush=True)
     return rows
+
+
+Product = Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]
+
+
+def linear_products(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Product]:
+    """kind -> (weight -> x -> x @ weight.T): `F.linear`, and each packed product that fits
+    every weight."""
+
+    def plain(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: F.linear(x, w)
+
+    def onednn(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, _BATCH_HINT)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    def bf16_op(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        packed = cpu_ops.pack_bf16_weight(w)
+        return lambda x: cpu_ops.bf16_linear(x, packed)
+
+    products: dict[str, Product] = {"plain": plain, "packed": onednn}
+    fits = all(w.shape[0] % cpu_ops.BF16_LINEAR_COLUMNS == 0 for w in weights.values())
+    if dtype == torch.bfloat16 and fits and cpu_ops.bf16_linear_available():
+        products["bf16_op"] = bf16_op
+    return products
 
 
 def make_decode_batch(
@@ -317,13 +352,15 @@ def format_tables(
     lines = []
     if gemm:
         lines += [
-            f"{'dtype':<9} {'M':>5} {'layer':<8} {'F.linear GF/s':>13} {'packed GF/s':>11} "
-            f"{'packed/plain':>12}",
+            f"{'dtype':<9} {'M':>5} {'layer':<11} {'F.linear GF/s':>13} {'packed GF/s':>11} "
+            f"{'packed/plain':>12} {'bf16 op GF/s':>12} {'op/packed':>9}",
         ]
         for r in gemm:
+            op = r.get("bf16_op_gflops")
             lines.append(
-                f"{r['dtype']:<9} {r['m']:>5} {r['layer']:<8} {r['plain_gflops']:>13.0f} "
-                f"{r['packed_gflops']:>11.0f} {r['packed_gflops'] / r['plain_gflops']:>12.2f}"
+                f"{r['dtype']:<9} {r['m']:>5} {r['layer']:<11} {r['plain_gflops']:>13.0f} "
+                f"{r['packed_gflops']:>11.0f} {r['packed_gflops'] / r['plain_gflops']:>12.2f} "
+                + (f"{op:>12.0f} {op / r['packed_gflops']:>9.2f}" if op else f"{'-':>12} {'-':>9}")
             )
         lines.append("")
     if attention:

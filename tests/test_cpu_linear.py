@@ -1,4 +1,5 @@
-"""Prepacked CPU linears: the same product as `F.linear`, through a bounded set of row counts."""
+"""Prepacked CPU linears: the same product as `F.linear`, through a bounded set of row counts
+(oneDNN) or the bf16_linear op's column tiles (bfloat16 on AVX512-BF16, 32 outputs a tile)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from asyncengine.config import cpu_bf16_flag
+from asyncengine.worker import cpu_ops
 from asyncengine.worker.cpu_linear import PackedLinear, padded_rows
 
 DTYPES = [
@@ -21,17 +24,22 @@ DTYPES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (5, 64), (3, 7, 64), (17, 64), (333, 64)])
-def test_a_packed_linear_is_f_linear_whatever_the_row_count(dtype, shape) -> None:
+@pytest.mark.parametrize("out_features", [96, 100])  # whole column tiles, or not
+def test_a_packed_linear_is_f_linear_whatever_the_row_count(dtype, shape, out_features) -> None:
     torch.manual_seed(0)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: linears are not packed")
-    linear = nn.Linear(64, 96, bias=True).to(dtype)
+    linear = nn.Linear(64, out_features, bias=True).to(dtype)
     # (not `_can_pack`: a packed product that differs must fail here, not skip)
     x = torch.randn(*shape, dtype=dtype)
     with torch.inference_mode():
         expected = nn.functional.linear(x, linear.weight, linear.bias)
-        got = PackedLinear(linear)(x)
-    assert got.shape == expected.shape == (*shape[:-1], 96)
+        packed = PackedLinear(linear)
+        got = packed(x)
+    # AMX keeps oneDNN's layout; AVX512-BF16 alone takes the op's column tiles where they fit
+    op_here = cpu_bf16_flag() == "avx512_bf16" and cpu_ops.bf16_linear_available()
+    assert packed.bf16_tiles == (op_here and dtype == torch.bfloat16 and out_features % 32 == 0)
+    assert got.shape == expected.shape == (*shape[:-1], out_features)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 

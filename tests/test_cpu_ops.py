@@ -5,6 +5,7 @@ they replace)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import zlib
 from collections.abc import Iterator
@@ -344,3 +345,54 @@ def test_silu_and_mul_matches_transformers(dtype: torch.dtype, rows: int, n: int
     x = (torch.randn(rows, 2 * n) * 4).to(dtype)
     gate, up = x.chunk(2, dim=-1)
     assert_same_rounding(cpu_ops.silu_and_mul(x), ACT2FN["silu"](gate) * up, dtype)
+
+
+@contextlib.contextmanager
+def threads(num_threads: int) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def needs_bf16_linear() -> None:
+    if not cpu_ops.bf16_linear_available():
+        # built with -march=native: without AVX512-BF16 the op is compiled out and bfloat16
+        # linears stay with oneDNN (tests/test_cpu_linear.py covers that path)
+        pytest.skip("this CPU has no AVX512-BF16: the bf16_linear op is not built here")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 40, 131])
+@pytest.mark.parametrize(("k", "n"), [(64, 32), (96, 160), (2, 64)])
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_bf16_linear_matches_a_float32_product_rounded_once(
+    rows: int, k: int, n: int, has_bias: bool, num_threads: int
+) -> None:
+    needs_bf16_linear()
+    x = torch.randn(rows, k, dtype=BF16)
+    weight = torch.randn(n, k, dtype=BF16)
+    bias = torch.randn(n, dtype=BF16) if has_bias else None
+    with threads(num_threads):
+        got = cpu_ops.bf16_linear(x, cpu_ops.pack_bf16_weight(weight), bias)
+    expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    assert got.dtype == BF16 and got.shape == (rows, n)
+    # one rounding to bf16 of a sum taken in float32: within one bf16 step (2^-7 relative to
+    # the value's power of two, so 2^-7 of its size at most) of the exact product
+    error = (got.double() - expected).abs()
+    assert (error <= expected.abs() * 2**-7 + 1e-4).all(), error.max()
+
+
+def test_bf16_linear_checks_its_inputs() -> None:
+    needs_bf16_linear()
+    weight = cpu_ops.pack_bf16_weight(torch.randn(64, 32, dtype=BF16))
+    with pytest.raises(RuntimeError, match="x has 30 columns, the weight 32"):
+        cpu_ops.bf16_linear(torch.randn(3, 30, dtype=BF16), weight)
+    with pytest.raises(RuntimeError, match="x: a contiguous 2-D bfloat16"):
+        cpu_ops.bf16_linear(torch.randn(3, 32), weight)
+    with pytest.raises(RuntimeError, match="bias: a contiguous bfloat16"):
+        cpu_ops.bf16_linear(torch.randn(3, 32, dtype=BF16), weight, torch.randn(63, dtype=BF16))
+    with pytest.raises(ValueError, match="needs a bfloat16"):
+        cpu_ops.pack_bf16_weight(torch.randn(48, 32, dtype=BF16))

@@ -17,14 +17,25 @@ most 8 rows (decode at small batches, a verification of drafts) MKL's sgemm on i
 packed op's fixed cost by 1.3-3x (256 x 704 at one row: 15 against 40 us), while the packed op
 wins from ~16 rows (512 x 512 at 16 rows: 52 against 111 us). Larger float32 weights are about
 even at one row, and bfloat16 is faster packed at every row count.
+
+Where the CPU has AVX512-BF16 but not AMX, a bfloat16 weight goes instead into the layout of
+the C++ `bf16_linear` op (cpu_ops.py; any row count, no primitives kept): a model's weights come
+from memory on every step, and that op keeps the memory stream and the arithmetic busy together:
+over a forward's weights read from memory, 1.5x the oneDNN product at 16 rows, 1.2x at 1 and
+at 64, no slower at 512 (benchmarks/cpu_kernels.py). With AMX, oneDNN's tiles multiply far faster
+than AVX-512 can, and its layout stays.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from asyncengine.config import cpu_bf16_flag
 from asyncengine.logging import get_logger
+from asyncengine.worker import cpu_ops
 
 logger = get_logger(__name__)
 
@@ -35,23 +46,32 @@ _MAX_PLAIN_ROWS = 8  # ... used by products of at most this many rows
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear` over a weight in oneDNN's blocked layout (opaque: read only by the op)."""
+    """`nn.Linear` over a weight packed once: in `bf16_linear`'s column tiles where that op
+    runs and fits the shape, else in oneDNN's blocked layout (opaque: read only by the op)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight: torch.Tensor
         weight = linear.weight.detach()
-        self.register_buffer(
-            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
-        )
         self.bias = linear.bias
+        self.bf16_tiles = _fits_bf16_linear(weight, self.bias)
+        if self.bf16_tiles:
+            self.register_buffer("packed_weight", cpu_ops.pack_bf16_weight(weight))
+        else:
+            self.register_buffer(
+                "packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+            )
         self.plain_weight: torch.Tensor | None = None
         if weight.dtype == torch.float32 and weight.numel() < _MAX_PLAIN_NUMEL:
             self.plain_weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if self.bf16_tiles:
+            flat = x.reshape(rows, self.in_features).contiguous()
+            out = cpu_ops.bf16_linear(flat, self.packed_weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.plain_weight is not None and rows <= _MAX_PLAIN_ROWS:
             return nn.functional.linear(x, self.plain_weight, self.bias)
         padded = padded_rows(rows)
@@ -62,6 +82,22 @@ class PackedLinear(nn.Module):
             flat, self.packed_weight, self.bias, "none", [], ""
         )
         return out[:rows].view(*x.shape[:-1], self.out_features)
+
+
+def _fits_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    n, k = weight.shape
+    return (
+        weight.dtype == torch.bfloat16
+        and (bias is None or bias.dtype == torch.bfloat16)
+        and n % cpu_ops.BF16_LINEAR_COLUMNS == 0
+        and k % 2 == 0
+        and _bf16_linear_is_fastest()
+    )
+
+
+@functools.cache
+def _bf16_linear_is_fastest() -> bool:
+    return cpu_bf16_flag() == "avx512_bf16" and cpu_ops.bf16_linear_available()
 
 
 def padded_rows(rows: int) -> int:
@@ -89,15 +125,20 @@ def pack_linear_layers(model: nn.Module) -> int:
         if not isinstance(m, nn.Linear)
         for p in m.parameters(recurse=False)
     }
-    num_packed = 0
+    num_packed = num_in_tiles = 0
     for name, linear in linears:
         if id(linear.weight) in shared:
             continue
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, PackedLinear(linear))
+        packed = PackedLinear(linear)
+        setattr(model.get_submodule(parent_name), attr, packed)
         num_packed += 1
+        num_in_tiles += packed.bf16_tiles
     logger.info(
-        "linear_weights_packed", num_layers=num_packed, dtype=str(linears[0][1].weight.dtype)
+        "linear_weights_packed",
+        num_layers=num_packed,
+        bf16_linear_op=num_in_tiles,  # the rest in oneDNN's layout
+        dtype=str(linears[0][1].weight.dtype),
     )
     return num_packed
 

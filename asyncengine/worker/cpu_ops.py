@@ -1,6 +1,6 @@
 """C++ ops for the CPU path, compiled on first use and cached: paged decode and prefill
-attention, and the decoder's pointwise layers in one pass each (RMSNorm, rotary embedding,
-SiLU-and-multiply).
+attention, the decoder's pointwise layers in one pass each (RMSNorm, rotary embedding,
+SiLU-and-multiply), and a bfloat16 linear layer for CPUs with AVX512-BF16.
 
 The sources (csrc/) are built once per machine, torch version and source with the host's C++
 compiler for the host's CPU (-march=native), into a cache directory; later starts only load
@@ -29,7 +29,13 @@ from asyncengine.logging import get_logger
 logger = get_logger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "prefill_attention.cpp", CSRC / "pointwise.cpp")
+SOURCES = (
+    CSRC / "paged_attention.cpp",
+    CSRC / "prefill_attention.cpp",
+    CSRC / "pointwise.cpp",
+    CSRC / "bf16_linear.cpp",
+)
+BF16_LINEAR_COLUMNS = 32  # outputs per column tile of `pack_bf16_weight`
 HEADERS = (CSRC / "cpu_common.h",)
 # reassociation lets the compiler vectorize the dot products' sums; no finite-math-only, since
 # the softmax starts from -inf
@@ -307,4 +313,29 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a contiguous [rows, 2n] `x` holding gate then up: [rows, n]."""
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
     torch.ops.asyncengine.silu_and_mul(out, x)
+    return out
+
+
+def bf16_linear_available() -> bool:
+    """Whether `bf16_linear` runs here: the ops load and were built for AVX512-BF16."""
+    return load() and bool(torch.ops.asyncengine.bf16_linear_available())
+
+
+def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 [N, K] weight in `bf16_linear`'s layout, [N / 32, K / 2, 32, 2]: per tile of
+    32 outputs, their weights two input columns at a time. N must divide by 32, K by 2."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % BF16_LINEAR_COLUMNS or k % 2:
+        raise ValueError(f"needs a bfloat16 [32 * i, 2 * j] weight, got {weight.dtype} {n}x{k}")
+    tiles = weight.reshape(n // BF16_LINEAR_COLUMNS, BF16_LINEAR_COLUMNS, k // 2, 2)
+    return tiles.permute(0, 2, 1, 3).contiguous()
+
+
+def bf16_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear` of a contiguous bfloat16 [rows, K] `x` over a `pack_bf16_weight` weight:
+    [rows, N], float32 products and sums rounded once. Needs `bf16_linear_available()`."""
+    out = x.new_empty((x.shape[0], packed.shape[0] * BF16_LINEAR_COLUMNS))
+    torch.ops.asyncengine.bf16_linear(out, x, packed, bias)
     return out
