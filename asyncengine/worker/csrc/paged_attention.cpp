@@ -28,16 +28,31 @@ using asyncengine_cpu::from_float;
 using asyncengine_cpu::load_row;
 using asyncengine_cpu::to_float;
 
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+template <typename T>
+inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   float acc = 0.f;  // reassociated into a vector sum (built with -fassociative-math)
-  for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+  for (int64_t d = 0; d < n; ++d) acc += a[d] * to_float(b[d]);
   return acc;
 }
 
-// The scores of `num_heads` query heads (rows of `q`, `dim` apart) against one K row, into
-// `out` (`out_stride` apart). A dot product alone ends in a horizontal sum that costs more than
-// its multiplies at head_dim 64; with AVX-512, four heads' sums are folded together instead.
-inline void head_dots(const float* __restrict q, const float* __restrict k, int64_t num_heads,
+#if defined(__AVX512F__)
+// 16 elements of a row as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// The scores of `num_heads` query heads (rows of `q`, `dim` apart) against one K row, read in
+// the cache's dtype, into `out` (`out_stride` apart). A dot product alone ends in a horizontal
+// sum that costs more than its multiplies at head_dim 64; with AVX-512, four heads' sums are
+// folded together instead.
+template <typename T>
+inline void head_dots(const float* __restrict q, const T* __restrict k, int64_t num_heads,
                       int64_t dim, float* __restrict out, int64_t out_stride) {
   int64_t h = 0;
 #if defined(__AVX512F__)
@@ -46,7 +61,7 @@ inline void head_dots(const float* __restrict q, const float* __restrict k, int6
       const float* q0 = q + h * dim;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 kd = _mm512_loadu_ps(k + d);
+        const __m512 kd = load16(k + d);
         a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + d), kd, a0);
         a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + dim + d), kd, a1);
         a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * dim + d), kd, a2);
@@ -72,16 +87,6 @@ inline void head_dots(const float* __restrict q, const float* __restrict k, int6
 }
 
 #if defined(__AVX512F__)
-// 16 elements of a row as float32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // The weighted sum of V for `heads` query heads of one KV head, kept in registers over every
 // slot: a head's D floats are D / 16 registers, and kHeads heads are summed in one pass over
 // the slots (16 accumulators). acc[h * D ..] = sum over slots i of p[h * n + i] * V[slot i].
@@ -165,7 +170,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       scores.resize(heads_per_item * n);
 
       // One pass over K or V (`base`), block by block, each slot's row (the item's KV heads)
-      // loaded as float32 into `row`. The cache is far larger than the CPU's caches and its
+      // handed to `body` in the cache's dtype. The cache is far larger than the CPU's caches and its
       // blocks lie anywhere, so each slot asks for the same slot of the next block (a block
       // ahead, the misses spread over the block: all of a block's at once ran 1.2x slower)
       // and, over K, for its own V row into the outer caches, where the pass over V after the
@@ -187,8 +192,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
               __builtin_prefetch(next + slot * token_stride + e);
             for (int64_t e = 0; is_k && e < item_len; e += kLine)
               __builtin_prefetch(block + (v_base - k_base) + slot * token_stride + e, 0, 1);
-            load_row(block + slot * token_stride, row.data(), item_len);
-            body(t - start);
+            body(block + slot * token_stride, t - start);
           }
         }
       };
@@ -227,9 +231,9 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 #endif
         return false;
       };
-      for_each_slot(k_base, [&](int64_t i) {
+      for_each_slot(k_base, [&](const T* k, int64_t i) {
         for (int64_t g = 0; g < kv_heads_per_item; ++g)
-          head_dots(q.data() + g * group * head_dim, row.data() + g * head_dim, group, head_dim,
+          head_dots(q.data() + g * group * head_dim, k + g * head_dim, group, head_dim,
                     scores.data() + g * group * n + i, n);
       });
       for (int64_t h = 0; h < heads_per_item; ++h) {
@@ -243,7 +247,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
       }
       if (!weighted_v_in_registers()) {
         std::fill(acc.begin(), acc.end(), 0.f);
-        for_each_slot(v_base, [&](int64_t i) {
+        for_each_slot(v_base, [&](const T* v_row, int64_t i) {
+          load_row(v_row, row.data(), item_len);
           for (int64_t h = 0; h < heads_per_item; ++h) {
             const float p = scores[h * n + i];
             const float* v = row.data() + (h / group) * head_dim;
