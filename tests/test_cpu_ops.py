@@ -147,6 +147,9 @@ PREFILL_CASES = [
     (6, 2, 80, F16, None),  # head_dim not a multiple of 16: V's sum in plain loops
     (4, 2, 128, F32, None),
     (16, 2, 256, BF16, None),
+    (6, 2, 80, BF16, None),  # bf16 pairs: head_dim a multiple of 16, not of 32
+    (4, 2, 72, BF16, None),  # head_dim not a multiple of 16: bf16 in the float32 loops
+    (4, 1, 128, BF16, 90),  # a window reaching back into the context, in bf16 pairs
     (8, 2, 64, F32, 24),  # a window inside a block of query rows
     (8, 8, 64, BF16, 5),  # a window shorter than a vector of keys
     (4, 1, 128, F32, 90),  # a window reaching back into the context

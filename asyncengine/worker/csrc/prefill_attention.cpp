@@ -8,10 +8,12 @@
 // register; 16 accumulators and the vector fill half of AVX-512's registers, 24 rows spill
 // and ran slower), takes an exact softmax per row and sums V the same way (each V vector
 // serves 16 rows). Nothing is computed for keys past a row's position or before its window.
-// Float32 throughout, whatever the cache dtype; the output is rounded to it once.
+// Float32 throughout, whatever the cache dtype, but for a bfloat16 cache on a CPU with
+// AVX512-BF16 (bf16_item: bf16 products summed in float32); the output is rounded once.
 //
-// torch's flash kernel runs at ~70 GF/s on this shape (2 threads, bf16, 256 tokens, 12 heads
-// of 64), this op at ~220; see `benchmarks/cpu_kernels.py --only prefill`.
+// torch's flash kernel runs at ~80 GF/s on this shape (2 threads, bf16, 256 tokens, 12 heads
+// of 64), this op at ~210 in float32 and ~290 in bf16 pairs; see
+// `benchmarks/cpu_kernels.py --only prefill`.
 //
 // Built on first use by asyncengine/worker/cpu_ops.py; torch.ops.asyncengine.paged_prefill_attention.
 
@@ -27,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -104,6 +107,134 @@ inline void weighted_values(const float* __restrict p, const float* __restrict v
   }
 }
 
+// Each row r < kRows of s (`stride` apart): exp(score - max) over the keys it sees, 0 elsewhere
+// in [j0, j1), and 1 / the sum of its exps in inv_sum[r]; rows from `rows` on are all 0. Row r
+// is at position `first_pos + r` relative to k_lo, which the window (if any) counts from.
+inline void softmax_rows(float* s, int64_t stride, int64_t rows, int64_t first_pos,
+                         int64_t window, int64_t k_lo, int64_t j0, int64_t j1, float* inv_sum) {
+  for (int64_t r = 0; r < kRows; ++r) {
+    float* sr = s + r * stride;
+    if (r >= rows) {  // no such row: nothing to weigh
+      std::fill(sr + j0, sr + j1, 0.f);
+      inv_sum[r] = 0.f;
+      continue;
+    }
+    const int64_t pos = first_pos + r;
+    const int64_t a = window > 0 ? std::max<int64_t>(-k_lo, pos - window + 1) : -k_lo;
+    const int64_t b = pos + 1;  // row r sees [a, b)
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = a; j < b; ++j) m = std::max(m, sr[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = a; j < b; ++j) {
+      sr[j] = fast_exp(sr[j] - m);
+      sum += sr[j];
+    }
+    std::fill(sr + j0, sr + a, 0.f);
+    std::fill(sr + b, sr + j1, 0.f);
+    inv_sum[r] = 1.f / sum;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// One item of a bfloat16 cache, in bf16 arithmetic: vdpbf16ps multiplies pairs of bf16 and sums
+// them in float32, half the instructions of the float32 path's QK^T and PV for the same steps.
+// K is kept as its rows' element pairs, transposed (kt[p * stride + j]: elements 2p and 2p + 1
+// of key j), so 16 keys' next pair are one vector; V as pairs of keys (v[jp * dim + e]: element e
+// of keys 2jp and 2jp + 1); each row's softmax weights are rounded to bf16 before PV, as
+// transformers' eager attention rounds them. Scores and the softmax stay float32.
+struct Bf16Item {
+  const c10::BFloat16* q;    // the sequence's first new row, head 0
+  const c10::BFloat16* k;    // the cache's K, at the item's KV head
+  const c10::BFloat16* v;    // the cache's V, at the item's KV head
+  c10::BFloat16* out;        // the sequence's first output row, head 0
+  const int32_t* table;
+  int64_t num_heads, dim, group, kv_head, block_size, token_stride, block_stride;
+  int64_t context, row0, row1, k_lo, k_hi, stride, window;
+  float scale;
+};
+
+struct Bf16Scratch {
+  std::vector<uint32_t> kt, v, q;
+  std::vector<uint16_t> p;
+};
+
+void bf16_item(const Bf16Item& it, Bf16Scratch& scratch, float* s) {
+  const int64_t dim = it.dim, pairs = dim / 2, stride = it.stride;
+  scratch.kt.assign(pairs * stride, 0u);
+  scratch.v.assign(stride / 2 * dim, 0u);  // keys past the item's: zero weights on zeros
+  scratch.q.resize(kRows * pairs);
+  scratch.p.resize(kRows * stride);
+  uint16_t* v_halves = reinterpret_cast<uint16_t*>(scratch.v.data());
+  for (int64_t t = it.k_lo; t < it.k_hi; ++t) {
+    const int64_t offset = it.table[t / it.block_size] * it.block_stride +
+                           (t % it.block_size) * it.token_stride;
+    const auto* k_pairs = reinterpret_cast<const uint32_t*>(it.k + offset);
+    const auto* v_row = reinterpret_cast<const uint16_t*>(it.v + offset);
+    const int64_t j = t - it.k_lo;
+    for (int64_t p = 0; p < pairs; ++p) scratch.kt[p * stride + j] = k_pairs[p];
+    uint16_t* v_pair = v_halves + (j / 2) * dim * 2 + j % 2;
+    for (int64_t e = 0; e < dim; ++e) v_pair[2 * e] = v_row[e];
+  }
+  const __m512 scale = _mm512_set1_ps(it.scale);
+  for (int64_t h = it.kv_head * it.group; h < (it.kv_head + 1) * it.group; ++h) {
+    for (int64_t r0 = it.row0; r0 < it.row1; r0 += kRows) {
+      const int64_t rows = std::min(kRows, it.row1 - r0);
+      std::fill(scratch.q.begin(), scratch.q.end(), 0u);
+      for (int64_t r = 0; r < rows; ++r) {
+        const auto* q_pairs =
+            reinterpret_cast<const uint32_t*>(it.q + ((r0 + r) * it.num_heads + h) * dim);
+        std::copy(q_pairs, q_pairs + pairs, scratch.q.data() + r * pairs);
+      }
+      // keys seen by any of these rows, relative to k_lo; j0 rounded down to a vector
+      const int64_t lo =
+          (it.window > 0 ? std::max<int64_t>(0, it.context + r0 - it.window + 1) : 0) - it.k_lo;
+      const int64_t hi = it.context + r0 + rows - it.k_lo;
+      const int64_t j0 = lo / kKeys * kKeys, j1 = (hi + kKeys - 1) / kKeys * kKeys;
+      for (int64_t j = j0; j < j1; j += kKeys) {
+        __m512 acc[kRows];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; ++p) {
+          const __m512bh k = (__m512bh)_mm512_loadu_si512(scratch.kt.data() + p * stride + j);
+          for (int64_t r = 0; r < kRows; ++r) {
+            const __m512bh q = (__m512bh)_mm512_set1_epi32(scratch.q[r * pairs + p]);
+            acc[r] = _mm512_dpbf16_ps(acc[r], q, k);
+          }
+        }
+        for (int64_t r = 0; r < kRows; ++r)
+          _mm512_storeu_ps(s + r * stride + j, _mm512_mul_ps(acc[r], scale));
+      }
+      float inv_sum[kRows];
+      softmax_rows(s, stride, rows, it.context + r0 - it.k_lo, it.window, it.k_lo, j0, j1, inv_sum);
+      for (int64_t r = 0; r < kRows; ++r) {
+        for (int64_t j = j0; j < j1; j += kKeys) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(scratch.p.data() + r * stride + j),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + r * stride + j)));
+        }
+      }
+      const auto* p_pairs = reinterpret_cast<const uint32_t*>(scratch.p.data());
+      for (int64_t e = 0; e < dim; e += 16) {
+        __m512 acc[kRows];
+        for (auto& a : acc) a = _mm512_setzero_ps();
+        for (int64_t jp = j0 / 2; jp < j1 / 2; ++jp) {
+          const __m512bh v = (__m512bh)_mm512_loadu_si512(scratch.v.data() + jp * dim + e);
+          for (int64_t r = 0; r < kRows; ++r) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32(p_pairs[r * (stride / 2) + jp]);
+            acc[r] = _mm512_dpbf16_ps(acc[r], p, v);
+          }
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          c10::BFloat16* o = it.out + ((r0 + r) * it.num_heads + h) * dim + e;
+          const __m512 normed = _mm512_mul_ps(acc[r], _mm512_set1_ps(inv_sum[r]));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(normed));
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 // out, query: [num_tokens, num_heads, head_dim], the prefill sequences' new tokens in order
 // kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V), holding them too
 // block_tables: [num_seqs, max_blocks]; query_start_loc: [num_seqs + 1]; seq_lens: [num_seqs]
@@ -148,6 +279,9 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
     std::vector<float> kt, v, s, q(kRows * dim), acc(kRows * dim), tile(kKeys * dim);
+#if defined(__AVX512BF16__)
+    Bf16Scratch bf16_scratch;
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
       const Item item = items[i];
@@ -159,9 +293,23 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
       const int64_t k_lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
       const int64_t k_hi = last_pos + 1;
       const int64_t nk = k_hi - k_lo, stride = (nk + kKeys - 1) / kKeys * kKeys;
+      s.resize(kRows * stride);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (dim % 16 == 0) {
+          const int64_t offset = item.kv_head * dim;
+          const Bf16Item bf16{q_base + starts[item.seq] * num_heads * dim, k_base + offset,
+                              v_base + offset, o_base + starts[item.seq] * num_heads * dim,
+                              table, num_heads, dim, group, item.kv_head, block_size,
+                              token_stride, block_stride, context, item.row0, item.row1, k_lo,
+                              k_hi, stride, window, fscale};
+          bf16_item(bf16, bf16_scratch, s.data());
+          continue;
+        }
+      }
+#endif
       kt.assign(dim * stride, 0.f);
       v.assign(stride * dim, 0.f);
-      s.resize(kRows * stride);
       // kKeys rows at a time: K's into a row-major tile, then its columns out as kt's rows
       // (one contiguous store each; a store per element, kt's rows apart, cost more than the
       // scores they feed)
@@ -194,29 +342,7 @@ void prefill_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
           const int64_t j0 = lo / kKeys * kKeys, j1 = (hi + kKeys - 1) / kKeys * kKeys;
           scores(q.data(), kt.data(), dim, stride, j0, j1, s.data());
           float inv_sum[kRows];
-          for (int64_t r = 0; r < kRows; ++r) {
-            float* sr = s.data() + r * stride;
-            if (r >= rows) {  // no such row: nothing to weigh
-              std::fill(sr + j0, sr + j1, 0.f);
-              inv_sum[r] = 0.f;
-              continue;
-            }
-            const int64_t pos = context + r0 + r;
-            const int64_t a = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - k_lo;
-            const int64_t b = pos + 1 - k_lo;  // row r sees [a, b)
-            float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-            for (int64_t j = a; j < b; ++j) m = std::max(m, sr[j]);
-            float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = a; j < b; ++j) {
-              sr[j] = fast_exp(sr[j] - m);
-              sum += sr[j];
-            }
-            std::fill(sr + j0, sr + a, 0.f);
-            std::fill(sr + b, sr + j1, 0.f);
-            inv_sum[r] = 1.f / sum;
-          }
+          softmax_rows(s.data(), stride, rows, context + r0 - k_lo, window, k_lo, j0, j1, inv_sum);
           weighted_values(s.data(), v.data(), dim, stride, j0, std::min(j1, nk), acc.data());
           for (int64_t r = 0; r < rows; ++r) {
             T* o = o_base + ((starts[item.seq] + r0 + r) * num_heads + h) * dim;
