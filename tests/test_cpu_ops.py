@@ -94,6 +94,9 @@ CASES = [
     (16, 8, 4, 128, F32, 20),
     (8, 8, 2, 64, F32, 5),  # window shorter than a block
     (16, 8, 2, 64, BF16, 40),  # window across block edges
+    # bf16 query heads by fours in bf16 pairs (AVX512-BF16): head_dim 96; 80 and 3 a KV head not
+    (16, 8, 1, 96, BF16, None),
+    (16, 6, 2, 80, BF16, None),
     (1024, 4, 2, 64, F32, 700),  # window inside one big block
     (64, 16, 2, 256, F32, 100),  # GQA 8, head_dim 256
 ]

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_common.h"
@@ -47,6 +48,26 @@ inline __m512 load16(const c10::Half* p) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// The lane sums of a0..a3, times `scale`, into out[0], out[stride], .., out[3 * stride]: each
+// sum's lanes halved, twice, two sums to a register (a 128-bit quarter a sum), then the 4 lanes
+// of each quarter.
+inline void store_sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float scale, float* out,
+                        int64_t stride) {
+  const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                   _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                   _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, 0x88),
+                           _mm512_shuffle_f32x4(r01, r23, 0xDD));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+  s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, _mm512_mul_ps(s, _mm512_set1_ps(scale)));
+  for (int64_t j = 0; j < 4; ++j) out[j * stride] = lanes[4 * j];
+}
+#endif
+
 // The scores of `num_heads` query heads (rows of `q`, `dim` apart) against one K row, read in
 // the cache's dtype, into `out` (`out_stride` apart). A dot product alone ends in a horizontal
 // sum that costs more than its multiplies at head_dim 64; with AVX-512, four heads' sums are
@@ -67,24 +88,34 @@ inline void head_dots(const float* __restrict q, const T* __restrict k, int64_t 
         a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * dim + d), kd, a2);
         a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 3 * dim + d), kd, a3);
       }
-      // halve each sum's lanes, twice, two sums to a register: a 128-bit quarter per head
-      const __m512 r01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
-                                       _mm512_shuffle_f32x4(a0, a1, 0xEE));
-      const __m512 r23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
-                                       _mm512_shuffle_f32x4(a2, a3, 0xEE));
-      __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(r01, r23, 0x88),
-                               _mm512_shuffle_f32x4(r01, r23, 0xDD));
-      // then the 4 lanes of each quarter
-      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
-      s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, s);
-      for (int64_t j = 0; j < 4; ++j) out[(h + j) * out_stride] = lanes[4 * j];
+      store_sums4(a0, a1, a2, a3, 1.f, out + h * out_stride, out_stride);
     }
   }
 #endif
   for (; h < num_heads; ++h) out[h * out_stride] = dot(q + h * dim, k, dim);
 }
+
+#if defined(__AVX512BF16__)
+// head_dots for a bfloat16 query and K row on a CPU with AVX512-BF16: the products in bf16
+// pairs (vdpbf16ps, summed in float32), half the multiplies and no conversion of K, then times
+// `scale`. Four heads at a time: num_heads a multiple of 4, dim of 32.
+inline void head_dots_bf16(const c10::BFloat16* __restrict q, const c10::BFloat16* __restrict k,
+                           int64_t num_heads, int64_t dim, float scale, float* __restrict out,
+                           int64_t out_stride) {
+  for (int64_t h = 0; h < num_heads; h += 4) {
+    const c10::BFloat16* q0 = q + h * dim;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < dim; d += 32) {
+      const __m512bh kd = (__m512bh)_mm512_loadu_si512(k + d);
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(q0 + d), kd);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(q0 + dim + d), kd);
+      a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(q0 + 2 * dim + d), kd);
+      a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(q0 + 3 * dim + d), kd);
+    }
+    store_sums4(a0, a1, a2, a3, scale, out + h * out_stride, out_stride);
+  }
+}
+#endif
 
 #if defined(__AVX512F__)
 // The weighted sum of V for `heads` query heads of one KV head, kept in registers over every
@@ -151,6 +182,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   T* o_base = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  [[maybe_unused]] const bool bf16_dots = group % 4 == 0 && head_dim % 32 == 0;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
   {
@@ -232,6 +264,16 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         return false;
       };
       for_each_slot(k_base, [&](const T* k, int64_t i) {
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (bf16_dots) {
+            for (int64_t g = 0; g < kv_heads_per_item; ++g)
+              head_dots_bf16(q_seq + g * group * head_dim, k + g * head_dim, group, head_dim,
+                             fscale, scores.data() + g * group * n + i, n);
+            return;
+          }
+        }
+#endif
         for (int64_t g = 0; g < kv_heads_per_item; ++g)
           head_dots(q.data() + g * group * head_dim, k + g * head_dim, group, head_dim,
                     scores.data() + g * group * n + i, n);
