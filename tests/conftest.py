@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from asyncengine.logging import configure_logging
-from asyncengine.testing import make_random_model
+from asyncengine.testing import make_random_model, torch_threads
 
 # in-process tests read the engine's INFO events (a library user's default is WARNING)
 configure_logging("INFO")
@@ -31,21 +30,6 @@ def pytest_sessionstart() -> None:
 
 
 ModelDirFactory = Callable[..., Path]
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int) -> Iterator[None]:
-    """Run the block with `num_threads` intra-op threads, then restore the previous count.
-
-    Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP workers spinning
-    against each other make a tiny forward ~50x slower.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

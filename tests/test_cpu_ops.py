@@ -5,7 +5,6 @@ they replace)."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import zlib
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from asyncengine.testing import torch_threads
 from asyncengine.worker import cpu_ops
 from asyncengine.worker.attention import paged_attention
 from asyncengine.worker.forward_context import AttentionMetadata
@@ -353,16 +353,6 @@ def test_silu_and_mul_matches_transformers(dtype: torch.dtype, rows: int, n: int
     assert_same_rounding(cpu_ops.silu_and_mul(x), ACT2FN["silu"](gate) * up, dtype)
 
 
-@contextlib.contextmanager
-def threads(num_threads: int) -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def needs_bf16_linear() -> None:
     if not cpu_ops.bf16_linear_available():
         # built with -march=native: without AVX512-BF16 the op is compiled out and bfloat16
@@ -381,7 +371,7 @@ def test_bf16_linear_matches_a_float32_product_rounded_once(
     x = torch.randn(rows, k, dtype=BF16)
     weight = torch.randn(n, k, dtype=BF16)
     bias = torch.randn(n, dtype=BF16) if has_bias else None
-    with threads(num_threads):
+    with torch_threads(num_threads):
         got = cpu_ops.bf16_linear(x, cpu_ops.pack_bf16_weight(weight), bias)
     expected = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
     assert got.dtype == BF16 and got.shape == (rows, n)
