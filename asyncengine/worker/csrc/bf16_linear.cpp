@@ -19,9 +19,7 @@
 #include <optional>
 #include <utility>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 namespace {
 
@@ -40,12 +38,8 @@ void tile_pass(const int32_t* x, int64_t x_stride, const __m512i* w, int64_t pai
                const char* next, int64_t next_lines, int lines_per_pair) {
   __m512 acc[Rows][2];
   for (int j = 0; j < 2; ++j) {
-    const __m512 start = bias == nullptr
-        ? _mm512_setzero_ps()
-        : _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                  reinterpret_cast<const __m256i*>(bias + 16 * j))),
-              16));
+    const __m512 start =
+        bias == nullptr ? _mm512_setzero_ps() : asyncengine_cpu::load16(bias + 16 * j);
     for (int i = 0; i < Rows; ++i) acc[i][j] = start;
   }
   for (int64_t p = 0; p < pairs; ++p) {
@@ -117,12 +111,12 @@ void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   const int32_t* x_pairs = reinterpret_cast<const int32_t*>(x.data_ptr());
   const __m512i* weight = reinterpret_cast<const __m512i*>(packed.data_ptr());
   c10::BFloat16* out_data = out.data_ptr<c10::BFloat16>();
-  const int64_t tile_regs = 2 * pairs, tile_lines = 2 * pairs;  // a register is a line
+  const int64_t tile_lines = 2 * pairs;  // a tile's 64-byte registers, each a cache line
   const int64_t num_passes = (rows + kMaxRows - 1) / kMaxRows;
   const int lines_per_pair = static_cast<int>((2 + num_passes - 1) / num_passes);
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const char* next = reinterpret_cast<const char*>(weight + (t + 1) * tile_regs);
+      const char* next = reinterpret_cast<const char*>(weight + (t + 1) * tile_lines);
       const int64_t next_lines = t + 1 < end ? tile_lines : 0;  // the next tile of this thread
       int64_t fetched = 0;
       for (int64_t row = 0; row < rows;) {
@@ -130,7 +124,7 @@ void bf16_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
         const int64_t left = rows - row;
         const int64_t passes_left = (left + kMaxRows - 1) / kMaxRows;
         const int64_t pass_rows = (left + passes_left - 1) / passes_left;
-        kPasses[pass_rows - 1](x_pairs + row * pairs, pairs, weight + t * tile_regs, pairs,
+        kPasses[pass_rows - 1](x_pairs + row * pairs, pairs, weight + t * tile_lines, pairs,
                                bias_data == nullptr ? nullptr : bias_data + t * kCols,
                                out_data + row * n + t * kCols, n, next + fetched * kLine,
                                std::max<int64_t>(0, next_lines - fetched), lines_per_pair);

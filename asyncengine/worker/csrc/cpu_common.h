@@ -4,6 +4,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -66,5 +70,17 @@ inline float fast_exp(float x) {
   std::memcpy(&p, &bits, sizeof(p));
   return p;
 }
+
+#if defined(__AVX512F__)
+// 16 elements of a row as float32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 }  // namespace asyncengine_cpu

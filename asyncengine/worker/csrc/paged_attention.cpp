@@ -26,6 +26,9 @@ namespace {
 
 using asyncengine_cpu::fast_exp;
 using asyncengine_cpu::from_float;
+#if defined(__AVX512F__)
+using asyncengine_cpu::load16;
+#endif
 using asyncengine_cpu::load_row;
 using asyncengine_cpu::to_float;
 
@@ -35,18 +38,6 @@ inline float dot(const float* __restrict a, const T* __restrict b, int64_t n) {
   for (int64_t d = 0; d < n; ++d) acc += a[d] * to_float(b[d]);
   return acc;
 }
-
-#if defined(__AVX512F__)
-// 16 elements of a row as float32
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
 
 #if defined(__AVX512F__)
 // The lane sums of a0..a3, times `scale`, into out[0], out[stride], .., out[3 * stride]: each
