@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace asyncengine_cpu {
 
@@ -69,6 +70,21 @@ inline float fast_exp(float x) {
   bits += static_cast<int32_t>(whole) * (1 << 23);  // times 2^whole
   std::memcpy(&p, &bits, sizeof(p));
   return p;
+}
+
+// A softmax's numerators in place: s[i] = exp(s[i] - max) over [a, b), in two vectorized passes
+// (the max, then the exps and their sum); returns 1 / their sum, the normalizer.
+inline float exp_in_place(float* __restrict s, int64_t a, int64_t b) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t j = a; j < b; ++j) m = std::max(m, s[j]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = a; j < b; ++j) {
+    s[j] = fast_exp(s[j] - m);
+    sum += s[j];
+  }
+  return 1.f / sum;
 }
 
 #if defined(__AVX512F__)

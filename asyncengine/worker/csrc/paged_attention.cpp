@@ -24,7 +24,7 @@
 
 namespace {
 
-using asyncengine_cpu::fast_exp;
+using asyncengine_cpu::exp_in_place;
 using asyncengine_cpu::from_float;
 #if defined(__AVX512F__)
 using asyncengine_cpu::load16;
@@ -105,6 +105,54 @@ inline void head_dots_bf16(const c10::BFloat16* __restrict q, const c10::BFloat1
     }
     store_sums4(a0, a1, a2, a3, scale, out + h * out_stride, out_stride);
   }
+}
+#endif
+
+#if defined(__AVX512F__)
+// The lane sums of 16 vectors, four to a 128-bit quarter: quarter j holds the sums of
+// v[4j] .. v[4j + 3], in order. Pairs of lanes are added first, then pairs of those, then the
+// quarters: 45 instructions for 16 sums, where summing each vector alone takes 4 or more apiece.
+inline __m512 sums16(const __m512* v) {
+  __m512 pairs[8];  // per quarter: v[2j] and v[2j + 1], each as two partial sums
+  for (int j = 0; j < 8; ++j)
+    pairs[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  __m512 quads[4];  // per quarter: the quarter's sum of v[4j] .. v[4j + 3]
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * j]), b = _mm512_castps_pd(pairs[2 * j + 1]);
+    quads[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44),
+                                  _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44),
+                                  _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// head_dots_bf16 over four K rows at once (four consecutive slots): the 16 dot products of 4
+// heads and 4 rows summed together by sums16, times `scale`, each head's 4 scores stored as one
+// 128-bit write at out + h * out_stride. dim a multiple of 32.
+inline void head_dots_bf16_x4(const c10::BFloat16* __restrict q, const c10::BFloat16* const* k,
+                              int64_t dim, float scale, float* __restrict out,
+                              int64_t out_stride) {
+  __m512 acc[16];  // acc[4 * head + row]
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 32) {
+    __m512bh rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = (__m512bh)_mm512_loadu_si512(k[r] + d);
+    for (int h = 0; h < 4; ++h) {
+      const __m512bh qd = (__m512bh)_mm512_loadu_si512(q + h * dim + d);
+      for (int r = 0; r < 4; ++r) acc[4 * h + r] = _mm512_dpbf16_ps(acc[4 * h + r], qd, rows[r]);
+    }
+  }
+  const __m512 sums = _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale));
+  _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
+  _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(sums, 1));
+  _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(sums, 2));
+  _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(sums, 3));
 }
 #endif
 
@@ -254,30 +302,46 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 #endif
         return false;
       };
-      for_each_slot(k_base, [&](const T* k, int64_t i) {
+      // the scores: in bf16 pairs four slots at a time where the CPU has them (the slots of
+      // a run of four may lie in two blocks), else a slot at a time
+      bool scored = false;
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (bf16_dots) {
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (bf16_dots) {
+          auto score_one = [&](const T* k, int64_t i) {
             for (int64_t g = 0; g < kv_heads_per_item; ++g)
               head_dots_bf16(q_seq + g * group * head_dim, k + g * head_dim, group, head_dim,
                              fscale, scores.data() + g * group * n + i, n);
-            return;
-          }
+          };
+          const T* run[4];
+          int64_t run_start = 0, run_len = 0;
+          for_each_slot(k_base, [&](const T* k, int64_t i) {
+            if (run_len == 0) run_start = i;
+            run[run_len++] = k;
+            if (run_len < 4) return;
+            run_len = 0;
+            for (int64_t g = 0; g < kv_heads_per_item; ++g) {
+              const T* rows[4] = {run[0] + g * head_dim, run[1] + g * head_dim,
+                                  run[2] + g * head_dim, run[3] + g * head_dim};
+              for (int64_t h = g * group; h < (g + 1) * group; h += 4)
+                head_dots_bf16_x4(q_seq + h * head_dim, rows, head_dim, fscale,
+                                  scores.data() + h * n + run_start, n);
+            }
+          });
+          for (int64_t r = 0; r < run_len; ++r) score_one(run[r], run_start + r);
+          scored = true;
         }
-#endif
-        for (int64_t g = 0; g < kv_heads_per_item; ++g)
-          head_dots(q.data() + g * group * head_dim, k + g * head_dim, group, head_dim,
-                    scores.data() + g * group * n + i, n);
-      });
-      for (int64_t h = 0; h < heads_per_item; ++h) {
-        float* s = scores.data() + h * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-        for (int64_t i = 0; i < n; ++i) s[i] = fast_exp(s[i] - m);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) sum += s[i];
-        inv_sum[h] = 1.f / sum;
       }
+#endif
+      if (!scored) {
+        for_each_slot(k_base, [&](const T* k, int64_t i) {
+          for (int64_t g = 0; g < kv_heads_per_item; ++g)
+            head_dots(q.data() + g * group * head_dim, k + g * head_dim, group, head_dim,
+                      scores.data() + g * group * n + i, n);
+        });
+      }
+      for (int64_t h = 0; h < heads_per_item; ++h)
+        inv_sum[h] = exp_in_place(scores.data() + h * n, 0, n);
       if (!weighted_v_in_registers()) {
         std::fill(acc.begin(), acc.end(), 0.f);
         for_each_slot(v_base, [&](const T* v_row, int64_t i) {

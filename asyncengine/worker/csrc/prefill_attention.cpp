@@ -36,7 +36,7 @@
 
 namespace {
 
-using asyncengine_cpu::fast_exp;
+using asyncengine_cpu::exp_in_place;
 using asyncengine_cpu::from_float;
 using asyncengine_cpu::load_row;
 using asyncengine_cpu::to_float;
@@ -122,18 +122,9 @@ inline void softmax_rows(float* s, int64_t stride, int64_t rows, int64_t first_p
     const int64_t pos = first_pos + r;
     const int64_t a = window > 0 ? std::max<int64_t>(-k_lo, pos - window + 1) : -k_lo;
     const int64_t b = pos + 1;  // row r sees [a, b)
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t j = a; j < b; ++j) m = std::max(m, sr[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = a; j < b; ++j) {
-      sr[j] = fast_exp(sr[j] - m);
-      sum += sr[j];
-    }
+    inv_sum[r] = exp_in_place(sr, a, b);
     std::fill(sr + j0, sr + a, 0.f);
     std::fill(sr + b, sr + j1, 0.f);
-    inv_sum[r] = 1.f / sum;
   }
 }
 
