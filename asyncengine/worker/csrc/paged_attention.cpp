@@ -129,12 +129,38 @@ inline __m512 sums16(const __m512* v) {
                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
+
+// sums16's quarters, quarter j (four floats) at out + j * out_stride
+inline void store_quarters(__m512 sums, float* out, int64_t out_stride) {
+  _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
+  _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(sums, 1));
+  _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(sums, 2));
+  _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(sums, 3));
+}
+
+// head_dots over four K rows at once (four consecutive slots) for 4 query heads (rows of `q`,
+// `dim` apart, scaled already): their 16 dot products summed together by sums16, each head's 4
+// scores stored as one 128-bit write at out + h * out_stride. dim a multiple of 16.
+template <typename T>
+inline void head_dots_x4(const float* __restrict q, const T* const* k, int64_t dim,
+                         float* __restrict out, int64_t out_stride) {
+  __m512 acc[16];  // acc[4 * head + row]
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    __m512 rows[4];
+    for (int r = 0; r < 4; ++r) rows[r] = load16(k[r] + d);
+    for (int h = 0; h < 4; ++h) {
+      const __m512 qd = _mm512_loadu_ps(q + h * dim + d);
+      for (int r = 0; r < 4; ++r) acc[4 * h + r] = _mm512_fmadd_ps(qd, rows[r], acc[4 * h + r]);
+    }
+  }
+  store_quarters(sums16(acc), out, out_stride);
+}
 #endif
 
 #if defined(__AVX512BF16__)
-// head_dots_bf16 over four K rows at once (four consecutive slots): the 16 dot products of 4
-// heads and 4 rows summed together by sums16, times `scale`, each head's 4 scores stored as one
-// 128-bit write at out + h * out_stride. dim a multiple of 32.
+// head_dots_x4 in bf16 pairs (vdpbf16ps) for a bfloat16 query and K rows, times `scale`. dim a
+// multiple of 32.
 inline void head_dots_bf16_x4(const c10::BFloat16* __restrict q, const c10::BFloat16* const* k,
                               int64_t dim, float scale, float* __restrict out,
                               int64_t out_stride) {
@@ -148,11 +174,7 @@ inline void head_dots_bf16_x4(const c10::BFloat16* __restrict q, const c10::BFlo
       for (int r = 0; r < 4; ++r) acc[4 * h + r] = _mm512_dpbf16_ps(acc[4 * h + r], qd, rows[r]);
     }
   }
-  const __m512 sums = _mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale));
-  _mm_storeu_ps(out, _mm512_castps512_ps128(sums));
-  _mm_storeu_ps(out + out_stride, _mm512_extractf32x4_ps(sums, 1));
-  _mm_storeu_ps(out + 2 * out_stride, _mm512_extractf32x4_ps(sums, 2));
-  _mm_storeu_ps(out + 3 * out_stride, _mm512_extractf32x4_ps(sums, 3));
+  store_quarters(_mm512_mul_ps(sums16(acc), _mm512_set1_ps(scale)), out, out_stride);
 }
 #endif
 
@@ -221,6 +243,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   T* o_base = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  [[maybe_unused]] const bool by_fours = group % 4 == 0 && head_dim % 16 == 0;
   [[maybe_unused]] const bool bf16_dots = group % 4 == 0 && head_dim % 32 == 0;
 
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
@@ -302,44 +325,56 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 #endif
         return false;
       };
-      // the scores: in bf16 pairs four slots at a time where the CPU has them (the slots of
-      // a run of four may lie in two blocks), else a slot at a time
-      bool scored = false;
+      // The scores, a slot at a time (every head of the item against the slot's K row) ...
+      auto score_slot = [&](const T* k, int64_t i) {
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (bf16_dots) {
-          auto score_one = [&](const T* k, int64_t i) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (bf16_dots) {
             for (int64_t g = 0; g < kv_heads_per_item; ++g)
               head_dots_bf16(q_seq + g * group * head_dim, k + g * head_dim, group, head_dim,
                              fscale, scores.data() + g * group * n + i, n);
-          };
-          const T* run[4];
-          int64_t run_start = 0, run_len = 0;
-          for_each_slot(k_base, [&](const T* k, int64_t i) {
-            if (run_len == 0) run_start = i;
-            run[run_len++] = k;
-            if (run_len < 4) return;
-            run_len = 0;
-            for (int64_t g = 0; g < kv_heads_per_item; ++g) {
-              const T* rows[4] = {run[0] + g * head_dim, run[1] + g * head_dim,
-                                  run[2] + g * head_dim, run[3] + g * head_dim};
-              for (int64_t h = g * group; h < (g + 1) * group; h += 4)
-                head_dots_bf16_x4(q_seq + h * head_dim, rows, head_dim, fscale,
-                                  scores.data() + h * n + run_start, n);
-            }
-          });
-          for (int64_t r = 0; r < run_len; ++r) score_one(run[r], run_start + r);
-          scored = true;
+            return;
+          }
         }
+#endif
+        for (int64_t g = 0; g < kv_heads_per_item; ++g)
+          head_dots(q.data() + g * group * head_dim, k + g * head_dim, group, head_dim,
+                    scores.data() + g * group * n + i, n);
+      };
+      // ... or, with AVX-512 and query heads in fours, four slots at a time (a run of four may
+      // span two blocks), a slot at a time only for the last slots of the sequence
+      bool scored = false;
+#if defined(__AVX512F__)
+      if (by_fours) {
+        const T* run[4];
+        int64_t run_start = 0, run_len = 0;
+        for_each_slot(k_base, [&](const T* k, int64_t i) {
+          if (run_len == 0) run_start = i;
+          run[run_len++] = k;
+          if (run_len < 4) return;
+          run_len = 0;
+          for (int64_t g = 0; g < kv_heads_per_item; ++g) {
+            const T* rows[4] = {run[0] + g * head_dim, run[1] + g * head_dim,
+                                run[2] + g * head_dim, run[3] + g * head_dim};
+            for (int64_t h = g * group; h < (g + 1) * group; h += 4) {
+              float* out = scores.data() + h * n + run_start;
+#if defined(__AVX512BF16__)
+              if constexpr (std::is_same_v<T, c10::BFloat16>) {
+                if (bf16_dots) {
+                  head_dots_bf16_x4(q_seq + h * head_dim, rows, head_dim, fscale, out, n);
+                  continue;
+                }
+              }
+#endif
+              head_dots_x4(q.data() + h * head_dim, rows, head_dim, out, n);
+            }
+          }
+        });
+        for (int64_t r = 0; r < run_len; ++r) score_slot(run[r], run_start + r);
+        scored = true;
       }
 #endif
-      if (!scored) {
-        for_each_slot(k_base, [&](const T* k, int64_t i) {
-          for (int64_t g = 0; g < kv_heads_per_item; ++g)
-            head_dots(q.data() + g * group * head_dim, k + g * head_dim, group, head_dim,
-                      scores.data() + g * group * n + i, n);
-        });
-      }
+      if (!scored) for_each_slot(k_base, score_slot);
       for (int64_t h = 0; h < heads_per_item; ++h)
         inv_sum[h] = exp_in_place(scores.data() + h * n, 0, n);
       if (!weighted_v_in_registers()) {
