@@ -1,7 +1,8 @@
 // Paged decode attention on the CPU: one new token per sequence, attending over its cached K/V
 // read in place through its block table. Each block is read once (K for all the query heads of
 // a KV head, then V), and nothing is computed for slots outside the sequence or its window.
-// Scores, softmax and the weighted sum of V run in float32 whatever the cache dtype.
+// Softmax and the weighted sum of V run in float32 whatever the cache dtype, and so do the
+// scores but over a bfloat16 cache on AVX512-BF16 (products in bf16 pairs, summed in float32).
 //
 // Built on first use by asyncengine/worker/cpu_ops.py; torch.ops.asyncengine.paged_decode_attention.
 
