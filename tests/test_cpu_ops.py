@@ -343,8 +343,8 @@ def test_rotary_embedding_matches_transformers_in_place_on_a_strided_view(
     assert torch.equal(fused[:, num_heads * head_dim :], rest), "wrote outside the view"
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16])
-@pytest.mark.parametrize(("rows", "n"), [(1, 128), (48, 2304), (257, 100)])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize(("rows", "n"), [(1, 128), (48, 2304), (257, 100), (3, 7)])
 def test_silu_and_mul_matches_transformers(dtype: torch.dtype, rows: int, n: int) -> None:
     from transformers.activations import ACT2FN
 
