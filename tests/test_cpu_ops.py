@@ -316,6 +316,36 @@ def test_rms_norm_matches_transformers(dtype: torch.dtype, rows: int, dim: int) 
         assert_same_rounding(cpu_ops.rms_norm(x, hf.weight, 1e-6), hf(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize(("rows", "dim"), [(1, 64), (37, 768), (300, 1000)])
+def test_add_rms_norm_is_the_residual_add_then_transformers_norm(
+    dtype: torch.dtype, rows: int, dim: int
+) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hf = LlamaRMSNorm(dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.rand(dim) + 0.5)
+    x, residual = (torch.randn(rows, dim) * 3).to(dtype), (torch.randn(rows, dim) * 3).to(dtype)
+    with torch.inference_mode():
+        summed = residual + x  # transformers' decoder layer: `residual + hidden_states`
+        expected = hf(summed)
+        alone = cpu_ops.rms_norm(summed, hf.weight, 1e-6)
+        out, new_residual = cpu_ops.add_rms_norm(x, residual, hf.weight, 1e-6)
+    assert new_residual.data_ptr() == residual.data_ptr()  # the sum went into it
+    assert torch.equal(residual, summed)  # one rounding of a float32 sum, as torch's add
+    # the norm's arithmetic is rms_norm's (tested against transformers above), in one pass
+    assert torch.equal(out, alone)
+    # against transformers: its mean of squares sums in another order, so a value at a
+    # rounding boundary of the normed x can round the other way, and the weight's product
+    # after it round again: two bf16 steps at most
+    if dtype == F32:
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    else:
+        assert (out == expected).float().mean() >= 0.99
+        torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=2**-6)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize(("num_heads", "head_dim"), [(4, 64), (3, 128), (2, 80)])
 def test_rotary_embedding_matches_transformers_in_place_on_a_strided_view(
@@ -381,6 +411,32 @@ def test_bf16_linear_matches_a_float32_product_rounded_once(
     assert (error <= expected.abs() * 2**-7 + 1e-4).all(), error.max()
 
 
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 40, 131])
+@pytest.mark.parametrize(("k", "n"), [(64, 64), (96, 320)])
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_bf16_linear_silu_mul_is_the_product_then_transformers_silu_times_up(
+    rows: int, k: int, n: int, has_bias: bool, num_threads: int
+) -> None:
+    from transformers.activations import ACT2FN
+
+    needs_bf16_linear()
+    x = torch.randn(rows, k, dtype=BF16)
+    weight = torch.randn(n, k, dtype=BF16)  # a gate's n / 2 rows over an up projection's
+    bias = torch.randn(n, dtype=BF16) if has_bias else None
+    paired_bias = None if bias is None else cpu_ops.pair_gate_up(bias)
+    with torch_threads(num_threads):
+        # the product (tested above against float64) as the MLP takes it apart
+        gate, up = cpu_ops.bf16_linear(x, cpu_ops.pack_bf16_weight(weight), bias).chunk(2, -1)
+        paired = cpu_ops.pack_bf16_weight(cpu_ops.pair_gate_up(weight))
+        got = cpu_ops.bf16_linear_silu_mul(x, paired, paired_bias)
+        # the same paired weight's plain product, its columns put back in order
+        unpaired = cpu_ops.unpair_gate_up(cpu_ops.bf16_linear(x, paired, paired_bias))
+    assert got.shape == (rows, n // 2)
+    assert_same_rounding(got, ACT2FN["silu"](gate) * up, BF16)
+    assert torch.equal(unpaired, torch.cat([gate, up], -1))
+
+
 def test_bf16_linear_checks_its_inputs() -> None:
     needs_bf16_linear()
     weight = cpu_ops.pack_bf16_weight(torch.randn(64, 32, dtype=BF16))
@@ -392,3 +448,7 @@ def test_bf16_linear_checks_its_inputs() -> None:
         cpu_ops.bf16_linear(torch.randn(3, 32, dtype=BF16), weight, torch.randn(63, dtype=BF16))
     with pytest.raises(ValueError, match="needs a bfloat16"):
         cpu_ops.pack_bf16_weight(torch.randn(48, 32, dtype=BF16))
+    with pytest.raises(RuntimeError, match=r"out: a contiguous bfloat16 \[rows, N / 2\]"):
+        torch.ops.asyncengine.bf16_linear_silu_mul(
+            torch.empty(3, 64, dtype=BF16), torch.randn(3, 32, dtype=BF16), weight, None
+        )

@@ -167,6 +167,12 @@ class LoRABatch:
                 )
 
 
+def has_lora() -> bool:
+    """Whether this forward adds LoRA deltas to some rows (`add_lora` then changes outputs)."""
+    lora = current_lora()
+    return lora is not None and bool(lora.segments)
+
+
 def add_lora(out: torch.Tensor, x: torch.Tensor, layer: int, projection: str) -> torch.Tensor:
     """`out` (the base projection of `x`) with the forward's LoRA deltas added, if any."""
     lora = current_lora()

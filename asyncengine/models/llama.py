@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncengine.distributed.parallel_state import TensorParallelGroup
-from asyncengine.lora.layers import add_lora
+from asyncengine.lora.layers import add_lora, has_lora
 from asyncengine.models.tp_layers import (
     Shard,
     WeightSource,
@@ -30,6 +30,7 @@ from asyncengine.models.tp_layers import (
 )
 from asyncengine.worker import cpu_ops
 from asyncengine.worker.attention import Attention
+from asyncengine.worker.cpu_linear import PackedLinear
 
 
 class RMSNorm(nn.Module):
@@ -39,13 +40,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        is_plain = x.is_cpu and x.dim() == 2 and x.is_contiguous()
-        if is_plain and x.dtype == self.weight.dtype and cpu_ops.is_loaded():
+        if self._runs_on_cpu_op(x):
             return cpu_ops.rms_norm(x, self.weight, self.eps)  # the same math in one pass
         # statistics in float32 whatever the dtype, as transformers does
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_then_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of `residual + x`, `residual + x`): a decoder's residual add and the norm
+        after it. On the CPU op it is one pass, and the sum is written into `residual`."""
+        if self._runs_on_cpu_op(x) and residual.is_contiguous() and residual.dtype == x.dtype:
+            return cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self(residual), residual
+
+    def _runs_on_cpu_op(self, x: torch.Tensor) -> bool:
+        return (
+            x.is_cpu
+            and x.dim() == 2
+            and x.is_contiguous()
+            and x.dtype == self.weight.dtype
+            and cpu_ops.is_loaded()
+        )
 
 
 class RotaryEmbedding(nn.Module):
@@ -157,7 +176,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = row_parallel_linear(total, config.hidden_size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = add_lora(self.gate_up_proj(x), x, self.layer_idx, "gate_up_proj")
+        gate_up_proj = self.gate_up_proj
+        if isinstance(gate_up_proj, PackedLinear) and gate_up_proj.is_gated and not has_lora():
+            hidden = gate_up_proj.silu_and_mul(x)  # the activation in the product's pass
+            return add_lora(self.down_proj(hidden), hidden, self.layer_idx, "down_proj")
+        gate_up = add_lora(gate_up_proj(x), x, self.layer_idx, "gate_up_proj")
         if gate_up.is_cpu and gate_up.is_contiguous() and cpu_ops.is_loaded():
             hidden = cpu_ops.silu_and_mul(gate_up)
         else:
@@ -176,9 +199,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream it is to be added to). As in vLLM, each
+        residual add is left to the norm after it (the next layer's first, or the model's
+        last), so the two run as one pass; `residual` is None at the first layer."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_then_norm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm.add_then_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -195,10 +228,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            hidden = layer(positions, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_then_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

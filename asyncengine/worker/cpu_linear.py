@@ -45,17 +45,33 @@ _MAX_PLAIN_NUMEL = 1 << 20  # float32 weights under this size keep a plain copy 
 _MAX_PLAIN_ROWS = 8  # ... used by products of at most this many rows
 
 
+# A linear of one of these names holds a gate's outputs, then an up projection's (the fused MLP
+# input of the Llama family): in `bf16_linear`'s tiles it is packed in pairs, so that its
+# product can end in silu(gate) * up (`PackedLinear.silu_and_mul`)
+GATED_LINEAR_NAMES = frozenset({"gate_up_proj"})
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear` over a weight packed once: in `bf16_linear`'s column tiles where that op
-    runs and fits the shape, else in oneDNN's blocked layout (opaque: read only by the op)."""
+    runs and fits the shape, else in oneDNN's blocked layout (opaque: read only by the op).
 
-    def __init__(self, linear: nn.Linear) -> None:
+    `gated`: the linear stacks a gate over an up projection; in column tiles they are paired
+    (`cpu_ops.pair_gate_up`) and `is_gated` is set: `silu_and_mul` then takes the activation in
+    the product's own pass, and `forward` still gives the columns in the linear's order.
+    """
+
+    def __init__(self, linear: nn.Linear, gated: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed_weight: torch.Tensor
         weight = linear.weight.detach()
         self.bias = linear.bias
         self.bf16_tiles = _fits_bf16_linear(weight, self.bias)
+        self.is_gated = gated and self.bf16_tiles
+        if self.is_gated:
+            weight = cpu_ops.pair_gate_up(weight)
+            if self.bias is not None:
+                self.bias = nn.Parameter(cpu_ops.pair_gate_up(self.bias.detach()), False)
         if self.bf16_tiles:
             self.register_buffer("packed_weight", cpu_ops.pack_bf16_weight(weight))
         else:
@@ -71,6 +87,8 @@ class PackedLinear(nn.Module):
         if self.bf16_tiles:
             flat = x.reshape(rows, self.in_features).contiguous()
             out = cpu_ops.bf16_linear(flat, self.packed_weight, self.bias)
+            if self.is_gated:
+                out = cpu_ops.unpair_gate_up(out)
             return out.view(*x.shape[:-1], self.out_features)
         if self.plain_weight is not None and rows <= _MAX_PLAIN_ROWS:
             return nn.functional.linear(x, self.plain_weight, self.bias)
@@ -82,6 +100,15 @@ class PackedLinear(nn.Module):
             flat, self.packed_weight, self.bias, "none", [], ""
         )
         return out[:rows].view(*x.shape[:-1], self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of this product, in its own pass: [..., out_features / 2]. Only
+        where `is_gated`."""
+        assert self.is_gated, "silu_and_mul needs a gate and up projection in column tiles"
+        rows = x.numel() // self.in_features
+        flat = x.reshape(rows, self.in_features).contiguous()
+        out = cpu_ops.bf16_linear_silu_mul(flat, self.packed_weight, self.bias)
+        return out.view(*x.shape[:-1], self.out_features // 2)
 
 
 def _fits_bf16_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -130,7 +157,7 @@ def pack_linear_layers(model: nn.Module) -> int:
         if id(linear.weight) in shared:
             continue
         parent_name, _, attr = name.rpartition(".")
-        packed = PackedLinear(linear)
+        packed = PackedLinear(linear, gated=attr in GATED_LINEAR_NAMES)
         setattr(model.get_submodule(parent_name), attr, packed)
         num_packed += 1
         num_in_tiles += packed.bf16_tiles

@@ -1,6 +1,7 @@
 """C++ ops for the CPU path, compiled on first use and cached: paged decode and prefill
-attention, the decoder's pointwise layers in one pass each (RMSNorm, rotary embedding,
-SiLU-and-multiply), and a bfloat16 linear layer for CPUs with AVX512-BF16.
+attention, the decoder's pointwise layers in one pass each (RMSNorm, alone or with the residual
+add before it; rotary embedding; SiLU-and-multiply), and a bfloat16 linear layer for CPUs with
+AVX512-BF16, which can end a gate/up product in SiLU-and-multiply.
 
 The sources (csrc/) are built once per machine, torch version and source with the host's C++
 compiler for the host's CPU (-march=native), into a cache directory; later starts only load
@@ -298,6 +299,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x` (in place, rounded to the dtype), then `rms_norm` of it: (the norm,
+    `residual`). Both contiguous [rows, dim] of one dtype."""
+    out = torch.empty_like(x)
+    torch.ops.asyncengine.add_rms_norm(out, residual, x, weight, eps)
+    return out, residual
+
+
 def rotary_embedding_(
     x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
@@ -331,6 +342,22 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 2, 1, 3).contiguous()
 
 
+def pair_gate_up(stacked: torch.Tensor) -> torch.Tensor:
+    """A gate's rows stacked over an up projection's ([N, ...] or [N], gate first), reordered
+    for `bf16_linear_silu_mul`: each tile of 32 holds 16 gate rows, then the same 16 up rows.
+    N must divide by 32."""
+    half = BF16_LINEAR_COLUMNS // 2
+    pairs = stacked.reshape(2, stacked.shape[0] // BF16_LINEAR_COLUMNS, half, *stacked.shape[1:])
+    return pairs.transpose(0, 1).reshape(stacked.shape)
+
+
+def unpair_gate_up(out: torch.Tensor) -> torch.Tensor:
+    """The columns of a product over a `pair_gate_up` weight put back: gate's, then up's."""
+    half = BF16_LINEAR_COLUMNS // 2
+    rows, n = out.shape
+    return out.view(rows, n // BF16_LINEAR_COLUMNS, 2, half).transpose(1, 2).reshape(rows, n)
+
+
 def bf16_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -338,4 +365,15 @@ def bf16_linear(
     [rows, N], float32 products and sums rounded once. Needs `bf16_linear_available()`."""
     out = x.new_empty((x.shape[0], packed.shape[0] * BF16_LINEAR_COLUMNS))
     torch.ops.asyncengine.bf16_linear(out, x, packed, bias)
+    return out
+
+
+def bf16_linear_silu_mul(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`silu_and_mul` of `bf16_linear`, in one pass: `packed` is a gate over an up projection
+    paired by `pair_gate_up` (and `bias` so paired), the result [rows, N / 2], rounded as the
+    two ops round."""
+    out = x.new_empty((x.shape[0], packed.shape[0] * BF16_LINEAR_COLUMNS // 2))
+    torch.ops.asyncengine.bf16_linear_silu_mul(out, x, packed, bias)
     return out

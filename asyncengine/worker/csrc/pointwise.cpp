@@ -1,5 +1,5 @@
-// The pointwise layers of a decoder on the CPU, one pass each: RMSNorm, rotary embedding (in
-// place) and SiLU-and-multiply. Arithmetic runs in float32 and each result is rounded to the
+// The pointwise layers of a decoder on the CPU, one pass each: RMSNorm (alone, or after the
+// residual add before it), rotary embedding (in place) and SiLU-and-multiply. Arithmetic runs in float32 and each result is rounded to the
 // tensor's dtype at the same points as transformers' eager code rounds it, so bf16 outputs
 // match it bit for bit wherever the float32 sums agree.
 //
@@ -22,8 +22,21 @@ using asyncengine_cpu::to_float;
 // more than it saves
 inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / row_len); }
 
+// one row: out = weight * T(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm
+template <typename T>
+inline void norm_row(T* __restrict out, const T* __restrict x, const T* __restrict w, int64_t dim,
+                     float eps) {
+  float sum = 0.f;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float v = to_float(x[d]);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d)
+    out[d] = from_float<T>(to_float(w[d]) * round_to<T>(to_float(x[d]) * inv));
+}
+
 // out, x: [rows, dim] (rows contiguous); weight: [dim]
-// out = weight * T(x * rsqrt(mean(x^2) + eps)), as transformers' LlamaRMSNorm
 template <typename T>
 void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t rows = x.size(0), dim = x.size(1);
@@ -31,17 +44,28 @@ void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor& wei
   const T* w = weight.data_ptr<T>();
   T* os = out.data_ptr<T>();
   at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      norm_row(os + r * dim, xs + r * dim, w, dim, static_cast<float>(eps));
+  });
+}
+
+// residual, x, out: [rows, dim] (rows contiguous); weight: [dim]
+// residual = T(residual + x) in place, then out = rms_norm(residual): a decoder's residual add
+// and the next RMSNorm in one pass, each rounded as the two separate ops round
+template <typename T>
+void add_rms_norm_kernel(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
+                         const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), dim = x.size(1);
+  const T* xs = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* rs = residual.data_ptr<T>();
+  T* os = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = xs + r * dim;
-      T* orow = os + r * dim;
-      float sum = 0.f;
-      for (int64_t d = 0; d < dim; ++d) {
-        const float v = to_float(xr[d]);
-        sum += v * v;
-      }
-      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
-      for (int64_t d = 0; d < dim; ++d)
-        orow[d] = from_float<T>(to_float(w[d]) * round_to<T>(to_float(xr[d]) * inv));
+      T* rr = rs + r * dim;
+      for (int64_t d = 0; d < dim; ++d) rr[d] = from_float<T>(to_float(rr[d]) + to_float(xr[d]));
+      norm_row(os + r * dim, rr, w, dim, static_cast<float>(eps));  // the row is in L1 still
     }
   });
 }
@@ -127,6 +151,20 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
                     [&] { rms_norm_kernel<scalar_t>(out, x, weight, eps); });
 }
 
+void add_rms_norm(at::Tensor out, at::Tensor residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && residual.sizes() == x.sizes() &&
+                  residual.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous(),
+              "add_rms_norm: x, residual and out must be contiguous [rows, dim]");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
+              "add_rms_norm: weight must be [dim]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() && out.scalar_type() == x.scalar_type() &&
+                  residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x, residual, weight and out must share a dtype");
+  DISPATCH_FLOATING(x.scalar_type(), "add_rms_norm",
+                    [&] { add_rms_norm_kernel<scalar_t>(out, residual, x, weight, eps); });
+}
+
 void rotary_embedding(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
                       const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
@@ -155,12 +193,16 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(asyncengine, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def(
+      "add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) "
+      "-> ()");
   m.def("rotary_embedding(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncengine, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
 }
