@@ -383,6 +383,35 @@ def test_silu_and_mul_matches_transformers(dtype: torch.dtype, rows: int, n: int
     assert_same_rounding(cpu_ops.silu_and_mul(x), ACT2FN["silu"](gate) * up, dtype)
 
 
+@pytest.mark.parametrize(
+    ("block_size", "num_kv_heads", "head_dim", "dtype"),
+    [(8, 2, 64, F32), (16, 1, 80, F16), (16, 8, 96, BF16), (512, 2, 128, F32)],
+)
+def test_store_kv_op_writes_exactly_the_mapped_slots(
+    block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    num_blocks, num_tokens, width = 5, 37, num_kv_heads * head_dim
+    # key and value as the model has them: views into one fused qkv projection
+    qkv = torch.randn(num_tokens, 3 * width).to(dtype)
+    key = qkv[:, width : 2 * width].view(num_tokens, num_kv_heads, head_dim)
+    value = qkv[:, 2 * width :].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[torch.randint(0, num_tokens, (5,))] = -1  # padding tokens: not stored
+    # NaN everywhere first: a slot written by one and not the other stays NaN on one side
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    kv_cache = kv_cache.to(dtype)
+    expected = kv_cache.clone()
+    torch.ops.asyncengine.store_kv(kv_cache, key, value, slots)
+    kept = slots >= 0
+    blocks, offsets = slots[kept] // block_size, slots[kept] % block_size
+    expected[0, blocks, offsets], expected[1, blocks, offsets] = key[kept], value[kept]
+    torch.testing.assert_close(kv_cache, expected, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="is past the cache's"):
+        torch.ops.asyncengine.store_kv(kv_cache, key, value, slots + num_blocks * block_size)
+    with pytest.raises(RuntimeError, match="heads contiguous"):
+        torch.ops.asyncengine.store_kv(kv_cache, key.transpose(1, 2), value, slots)
+
+
 def needs_bf16_linear() -> None:
     if not cpu_ops.bf16_linear_available():
         # built with -march=native: without AVX512-BF16 the op is compiled out and bfloat16

@@ -150,13 +150,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = add_lora(self.qkv_proj(hidden), hidden, self.layer_idx, "qkv_proj")
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q_and_k, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
+            q, k = q_and_k.split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary(positions, q), self.rotary(positions, k)
+        else:  # q's heads and k's, side by side in each row: rotated in one call
+            heads = q_and_k.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = self.rotary(positions, heads).split([self.num_heads, self.num_kv_heads], 1)
         out = self.attn(q, k, v).reshape(-1, self.q_size)
         return add_lora(self.o_proj(out), out, self.layer_idx, "o_proj")
 

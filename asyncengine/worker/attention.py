@@ -26,6 +26,9 @@ def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Write new K/V rows ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
+    if kv_cache.is_cpu and cpu_ops.is_loaded():
+        torch.ops.asyncengine.store_kv(kv_cache, key, value, slot_mapping)  # both, one call
+        return
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     flat[0].index_copy_(0, slot_mapping, key)

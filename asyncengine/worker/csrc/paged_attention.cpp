@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -429,14 +430,54 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
   }
 }
 
+// A step's new K and V rows into their cache slots (block * block_size + offset; a negative slot
+// is skipped). key, value: [tokens, kv_heads, head_dim], rows possibly strided (views into the
+// fused qkv rows), each row's heads contiguous; slots: [tokens] int64. One call for both: in
+// torch it was two index_copy_ calls and the views to them, ~10 us a layer at decode.
+void store_kv(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor& value,
+              const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: a contiguous [2, blocks, block_size, kv_heads, head_dim] tensor");
+  const int64_t tokens = key.size(0), heads = kv_cache.size(3), dim = kv_cache.size(4);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == tokens && t->size(1) == heads &&
+                    t->size(2) == dim && t->stride(2) == 1 && t->stride(1) == dim,
+                "key/value: [tokens, kv_heads, head_dim] rows with their heads contiguous");
+    TORCH_CHECK(t->scalar_type() == kv_cache.scalar_type(), "key/value: the cache's dtype");
+  }
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == tokens && slots.is_contiguous() &&
+                  slots.scalar_type() == at::kLong,
+              "slots: a contiguous [tokens] int64 tensor");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t row_bytes = heads * dim * kv_cache.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] < num_slots, "slot ", slot[t], " is past the cache's ", num_slots);
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + num_slots * row_bytes;
+  const char* k_rows = static_cast<const char*>(key.data_ptr());
+  const char* v_rows = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size();
+  const int64_t v_stride = value.stride(0) * value.element_size();
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (slot[t] < 0) continue;
+      std::memcpy(k_cache + slot[t] * row_bytes, k_rows + t * k_stride, row_bytes);
+      std::memcpy(v_cache + slot[t] * row_bytes, v_rows + t * v_stride, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(asyncengine, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
       "Tensor seq_lens, float scale, int window) -> ()");
+  m.def("store_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(asyncengine, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("store_kv", &store_kv);
 }
