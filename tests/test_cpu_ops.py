@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shutil
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -419,10 +419,20 @@ def needs_bf16_linear() -> None:
         pytest.skip("this CPU has no AVX512-BF16: the bf16_linear op is not built here")
 
 
-@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 40, 131])
+def over_rows_bias_and_threads(test: Callable[..., None]) -> Callable[..., None]:
+    """A bf16_linear test at row counts of one pass (up to 12), of two even passes (13, 16)
+    and of more, with and without a bias, on one thread and two."""
+    for name, values in (
+        ("rows", [1, 7, 12, 13, 16, 40, 131]),
+        ("has_bias", [False, True]),
+        ("num_threads", [1, 2]),
+    ):
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
+@over_rows_bias_and_threads
 @pytest.mark.parametrize(("k", "n"), [(64, 32), (96, 160), (2, 64)])
-@pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize("num_threads", [1, 2])
 def test_bf16_linear_matches_a_float32_product_rounded_once(
     rows: int, k: int, n: int, has_bias: bool, num_threads: int
 ) -> None:
@@ -440,10 +450,8 @@ def test_bf16_linear_matches_a_float32_product_rounded_once(
     assert (error <= expected.abs() * 2**-7 + 1e-4).all(), error.max()
 
 
-@pytest.mark.parametrize("rows", [1, 7, 12, 13, 16, 40, 131])
+@over_rows_bias_and_threads
 @pytest.mark.parametrize(("k", "n"), [(64, 64), (96, 320)])
-@pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize("num_threads", [1, 2])
 def test_bf16_linear_silu_mul_is_the_product_then_transformers_silu_times_up(
     rows: int, k: int, n: int, has_bias: bool, num_threads: int
 ) -> None:
