@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +23,7 @@ from asyncengine import (
     SamplingParams,
 )
 from asyncengine.core.request import RequestStatus
+from asyncengine.engine.llm_engine import LLMEngine
 from asyncengine.errors import RequestFailedError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -348,12 +350,64 @@ def test_the_engine_serves_a_second_event_loop_and_ends_quietly(model_dir) -> No
     assert not engine.errored
 
 
+def hold_steps(engine: AsyncLLMEngine) -> tuple[threading.Event, threading.Event]:
+    """(go, entered): each step of `engine`'s forward sets `entered`, then waits for `go`."""
+    go, entered = threading.Event(), threading.Event()
+    core = engine.engine
+    execute = core.execute
+
+    def held_execute(plan: Any) -> Any:
+        entered.set()
+        go.wait(10)
+        return execute(plan)
+
+    core.execute = held_execute  # type: ignore[method-assign]
+    return go, entered
+
+
+def test_a_step_past_step_timeout_s_ends_its_streams_with_the_engine_dead(model_dir) -> None:
+    args = EngineArgs(model=str(model_dir("llama")), device="cpu", dtype="float32")
+    engine = AsyncLLMEngine(LLMEngine.from_engine_args(args), step_timeout_s=0.2)
+    go, _ = hold_steps(engine)
+
+    async def main() -> BaseException:
+        with pytest.raises(EngineDeadError) as error:
+            await collect(engine, [5, 6], SamplingParams(max_tokens=2), "slow")
+        go.set()
+        return error.value
+
+    error = run(main)
+    assert engine.errored
+    assert "a step took longer than 0.2 s" in repr(error.__cause__), repr(error)
+
+
+def test_shutdown_stops_the_step_loop_when_the_step_in_flight_ends_with_its_cancel(
+    model_dir,
+) -> None:
+    """The step's result and shutdown's cancel of the step loop reach the event loop in the
+    same turn. asyncio.wait_for took the finished step over the cancel (Python 3.11); the
+    step loop went back to waiting for work, and shutdown waited for it forever (seen in the
+    suite as a server stop that never returned)."""
+    engine = make_engine(model_dir("llama"))
+    go, entered = hold_steps(engine)
+
+    async def main() -> None:
+        await engine.add_request("only", [5, 6], SamplingParams(max_tokens=1))
+        assert await asyncio.to_thread(entered.wait, 10), "the step never started"
+        go.set()
+        # the loop held: the step ends meanwhile, and its result waits in the loop's queue
+        # ahead of the cancel that shutdown is about to make
+        time.sleep(0.5)
+        async with asyncio.timeout(10):
+            await engine.shutdown()
+
+    run(main)
+
+
 def test_a_second_running_loop_is_refused_and_the_first_goes_on(model_dir) -> None:
     """An engine serves one event loop at a time. A call from another thread's loop while
     the first runs is a clear error; before, it took the engine over: the first loop's
     requests were aborted and the second's never got an output."""
-    import threading
-
     engine = make_engine(model_dir("llama"))
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     errors: list[BaseException] = []

@@ -218,10 +218,13 @@ class InprocClient:
             started = time.perf_counter()
             plan = engine.schedule()
             scheduled = time.perf_counter()
-            result, execute_s = await asyncio.wait_for(
-                loop.run_in_executor(self._executor, _timed, engine.execute, plan),
-                self.step_timeout_s,
-            )
+            # asyncio.timeout, not wait_for: a step that ends in the loop's turn that cancels
+            # this task would win over the cancel in 3.11's wait_for, and shutdown would then
+            # wait for a loop gone back to waiting for work
+            async with asyncio.timeout(self.step_timeout_s):
+                result, execute_s = await loop.run_in_executor(
+                    self._executor, _timed, engine.execute, plan
+                )
             executed = time.perf_counter()
             outputs = engine.update(plan, result)
             step = step_stats(plan, result, scheduled - started, execute_s, executed)
