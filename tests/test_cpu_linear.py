@@ -51,3 +51,26 @@ def test_row_counts_are_padded_to_a_bounded_set_with_at_most_an_eighth_more() ->
     # oneDNN builds one primitive per count it sees: 8 per doubling, not one per step's size
     assert len(set(counts.values())) == 16 + 8 * 9
     assert all(padded_rows(padded) == padded for padded in counts.values())
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 7, 64), (40, 64)])
+def test_a_gated_linear_keeps_its_columns_and_ends_in_silu_times_up(has_bias, shape) -> None:
+    if not (cpu_bf16_flag() == "avx512_bf16" and cpu_ops.bf16_linear_available()):
+        pytest.skip("a gate/up projection is paired only in bf16_linear's tiles (AVX512-BF16)")
+    from transformers.activations import ACT2FN
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 2 * 96, bias=has_bias).to(torch.bfloat16)  # gate, then up
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        plain, gated = PackedLinear(linear), PackedLinear(linear, gated=True)
+        assert gated.is_gated and not plain.is_gated
+        expected = plain(x)
+        assert torch.equal(gated(x), expected)  # the columns in the linear's order
+        gate, up = expected.chunk(2, dim=-1)
+        got = gated.silu_and_mul(x)
+    assert got.shape == (*shape[:-1], 96)
+    is_equal = got == ACT2FN["silu"](gate) * up
+    assert is_equal.float().mean() >= 0.99
+    torch.testing.assert_close(got.float(), (ACT2FN["silu"](gate) * up).float(), atol=0, rtol=2**-7)

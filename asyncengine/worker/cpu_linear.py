@@ -71,7 +71,8 @@ class PackedLinear(nn.Module):
         if self.is_gated:
             weight = cpu_ops.pair_gate_up(weight)
             if self.bias is not None:
-                self.bias = nn.Parameter(cpu_ops.pair_gate_up(self.bias.detach()), False)
+                paired_bias = cpu_ops.pair_gate_up(self.bias.detach())
+                self.bias = nn.Parameter(paired_bias, requires_grad=False)
         if self.bf16_tiles:
             self.register_buffer("packed_weight", cpu_ops.pack_bf16_weight(weight))
         else:
