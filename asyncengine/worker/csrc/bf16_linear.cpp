@@ -6,7 +6,7 @@
 // 16 outputs' next two weights, the operand of one `vdpbf16ps` against a broadcast pair of x.
 //
 // A gated product (`bf16_linear_silu_mul`) takes a weight that stacks a gate's outputs and an up
-// projection's, packed in pairs (`pack_bf16_weight(..., gated=True)`): tile t holds gate
+// projection's, packed in pairs (`pair_gate_up` before `pack_bf16_weight`): tile t holds gate
 // outputs 16t..16t+15 in its first register and the same up outputs in its second. Its pass
 // ends in silu(gate) * up, rounded where transformers rounds (the linears' outputs, then silu's),
 // and writes half the columns: the MLP's separate activation op and its pass over the
@@ -37,8 +37,6 @@ constexpr int64_t kAheadL1 = 32;  // registers of the current tile prefetched ah
 
 #if defined(__AVX512BF16__)
 
-// `rows` rows of x against one column tile. `next` (`next_lines` cache lines left to fetch,
-// `lines_per_pair` of them per weight pair) is the next tile's part this pass prefetches.
 // 16 floats rounded to bf16 (to nearest even), and the bf16 values back as floats
 inline __m512 round_bf16(__m512 v) {
   const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
@@ -55,6 +53,9 @@ inline __m256i silu_mul16(__m512 gate_sum, __m512 up_sum) {
   return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, up));
 }
 
+// `rows` rows of x against one column tile. `next` (`next_lines` cache lines left to fetch,
+// `lines_per_pair` of them per weight pair) is the next tile's part this pass prefetches.
+// `Gated`: the tile pairs gate and up outputs, and the pass writes silu(gate) * up.
 template <int Rows, bool Gated>
 void tile_pass(const int32_t* x, int64_t x_stride, const __m512i* w, int64_t pairs,
                const c10::BFloat16* bias, c10::BFloat16* out, int64_t out_stride,

@@ -16,8 +16,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -459,7 +459,8 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor& valu
   const char* v_rows = static_cast<const char*>(value.data_ptr());
   const int64_t k_stride = key.stride(0) * key.element_size();
   const int64_t v_stride = value.stride(0) * value.element_size();
-  at::parallel_for(0, tokens, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t b, int64_t e) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / row_bytes);  // tokens a thread copies
+  at::parallel_for(0, tokens, grain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       if (slot[t] < 0) continue;
       std::memcpy(k_cache + slot[t] * row_bytes, k_rows + t * k_stride, row_bytes);

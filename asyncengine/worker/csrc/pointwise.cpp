@@ -1,7 +1,8 @@
 // The pointwise layers of a decoder on the CPU, one pass each: RMSNorm (alone, or after the
-// residual add before it), rotary embedding (in place) and SiLU-and-multiply. Arithmetic runs in float32 and each result is rounded to the
-// tensor's dtype at the same points as transformers' eager code rounds it, so bf16 outputs
-// match it bit for bit wherever the float32 sums agree.
+// residual add before it), rotary embedding (in place) and SiLU-and-multiply. Arithmetic runs
+// in float32 and each result is rounded to the tensor's dtype at the same points as
+// transformers' eager code rounds it, so bf16 outputs match it bit for bit wherever the float32
+// sums agree.
 //
 // Built with paged_attention.cpp by asyncengine/worker/cpu_ops.py; torch.ops.asyncengine.*.
 
