@@ -39,8 +39,7 @@ constexpr int64_t kAheadL1 = 32;  // registers of the current tile prefetched ah
 
 // 16 floats rounded to bf16 (to nearest even), and the bf16 values back as floats
 inline __m512 round_bf16(__m512 v) {
-  const __m256i bits = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return asyncengine_cpu::widen_bf16((__m256i)_mm512_cvtneps_pbh(v));
 }
 
 // silu(gate) * up of 16 outputs, rounded as silu_and_mul (pointwise.cpp) rounds

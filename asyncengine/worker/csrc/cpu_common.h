@@ -134,9 +134,12 @@ inline float exp_in_place(float* __restrict s, int64_t a, int64_t b) {
 #if defined(__AVX512F__)
 // 16 elements of a row as float32
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of a float
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+// 16 bf16 values (their bits) as float32: bf16 is the top half of a float
+inline __m512 widen_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::BFloat16* p) {
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
